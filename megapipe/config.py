@@ -1,0 +1,237 @@
+"""Frozen configuration dataclasses and their up-front validation.
+
+Every field is named after the Megatron-LM flag it comes from (`hidden_size` <- `--hidden-size`),
+so an error can name the flag the user typed. Validation runs once, on every rank alike, before
+any process group or model exists: a bad combination exits with one line, never a hang.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+
+
+class ConfigError(ValueError):
+    """An impossible or inconsistent setting. The message names the flags and their values."""
+
+
+def flag(name: str) -> str:
+    """The command-line flag for a config field name: `hidden_size` -> `--hidden-size`."""
+    return "--" + name.replace("_", "-")
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def _positive(**values: int | float) -> None:
+    for name, value in values.items():
+        _require(value > 0, f"{flag(name)} must be positive, got {value}")
+
+
+def _divisible(numerator: tuple[str, int], denominator: tuple[str, int]) -> None:
+    (n_name, n), (d_name, d) = numerator, denominator
+    _require(n % d == 0, f"{n_name} ({n}) must be divisible by {d_name} ({d})")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The GPT architecture. Defaults follow Megatron-LM's."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    vocab_size: int
+    seq_length: int
+    max_position_embeddings: int | None = None  # None: seq_length
+    ffn_hidden_size: int | None = None  # None: 4h, or Megatron's 8h/3 rounding with SwiGLU
+    num_query_groups: int | None = None  # None: multi-head attention (one group per head)
+    position_embedding_type: str = "learned_absolute"
+    rotary_base: int = 10000
+    normalization: str = "LayerNorm"
+    layernorm_epsilon: float = 1e-5
+    swiglu: bool = False
+    untie_embeddings_and_output_weights: bool = False
+    add_bias_linear: bool = True
+    make_vocab_size_divisible_by: int = 128
+    init_method_std: float = 0.02
+    attention_dropout: float = 0.1
+    hidden_dropout: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.max_position_embeddings is None:
+            object.__setattr__(self, "max_position_embeddings", self.seq_length)
+        if self.ffn_hidden_size is None:
+            ffn = 4 * self.hidden_size
+            if self.swiglu:  # Megatron keeps the parameter count of a 4h GeLU MLP
+                ffn = int((4 * self.hidden_size * 2 / 3) / 64) * 64 or 2 * self.hidden_size
+            object.__setattr__(self, "ffn_hidden_size", ffn)
+        if self.num_query_groups is None:
+            object.__setattr__(self, "num_query_groups", self.num_attention_heads)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def padded_vocab_size(self, tensor_model_parallel_size: int) -> int:
+        """Vocabulary padded to a multiple of make_vocab_size_divisible_by x TP, as Megatron."""
+        multiple = self.make_vocab_size_divisible_by * tensor_model_parallel_size
+        return math.ceil(self.vocab_size / multiple) * multiple
+
+    def validate(self) -> None:
+        _positive(
+            num_layers=self.num_layers,
+            hidden_size=self.hidden_size,
+            num_attention_heads=self.num_attention_heads,
+            vocab_size=self.vocab_size,
+            seq_length=self.seq_length,
+            ffn_hidden_size=self.ffn_hidden_size,
+            num_query_groups=self.num_query_groups,
+            make_vocab_size_divisible_by=self.make_vocab_size_divisible_by,
+            init_method_std=self.init_method_std,
+        )
+        _divisible(
+            ("--hidden-size", self.hidden_size),
+            ("--num-attention-heads", self.num_attention_heads),
+        )
+        _divisible(
+            ("--num-attention-heads", self.num_attention_heads),
+            ("--num-query-groups", self.num_query_groups),
+        )
+        _require(
+            self.position_embedding_type in POSITION_EMBEDDING_TYPES,
+            f"--position-embedding-type {self.position_embedding_type!r} is not one of "
+            f"{', '.join(POSITION_EMBEDDING_TYPES)}",
+        )
+        _require(
+            self.normalization in NORMALIZATIONS,
+            f"--normalization {self.normalization!r} is not one of {', '.join(NORMALIZATIONS)}",
+        )
+        if self.position_embedding_type == "learned_absolute":
+            _require(
+                self.seq_length <= self.max_position_embeddings,
+                f"--seq-length ({self.seq_length}) exceeds --max-position-embeddings "
+                f"({self.max_position_embeddings}) with learned absolute position embeddings",
+            )
+        if self.position_embedding_type == "rope":
+            _require(self.head_dim % 2 == 0, f"rotary embeddings need an even head dim, got "
+                     f"--hidden-size/--num-attention-heads = {self.head_dim}")
+        for name in ("attention_dropout", "hidden_dropout"):
+            value = getattr(self, name)
+            _require(0.0 <= value < 1.0, f"{flag(name)} must be in [0, 1), got {value}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the world is split: TP fastest-varying, then DP, then PP (Megatron's tp-dp-pp)."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    sequence_parallel: bool = False
+    distributed_backend: str | None = None  # None: nccl when CUDA is present, else gloo
+
+    def data_parallel_size(self, world_size: int) -> int:
+        model_parallel = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+        _require(
+            world_size % model_parallel == 0,
+            f"world size ({world_size}) is not divisible by --tensor-model-parallel-size "
+            f"({self.tensor_model_parallel_size}) x --pipeline-model-parallel-size "
+            f"({self.pipeline_model_parallel_size}) = {model_parallel}",
+        )
+        return world_size // model_parallel
+
+    def validate(self, world_size: int) -> None:
+        _positive(
+            tensor_model_parallel_size=self.tensor_model_parallel_size,
+            pipeline_model_parallel_size=self.pipeline_model_parallel_size,
+        )
+        self.data_parallel_size(world_size)
+        _require(
+            self.distributed_backend in (None, "gloo", "nccl"),
+            f"--distributed-backend {self.distributed_backend!r} is not one of gloo, nccl",
+        )
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """The optimisation loop: batch sizes, iterations, learning rate, seed, logging."""
+
+    micro_batch_size: int
+    global_batch_size: int
+    train_iters: int
+    lr: float
+    seed: int = 1234
+    log_interval: int = 100
+    mock_data: bool = True
+
+    def num_microbatches(self, data_parallel_size: int) -> int:
+        per_step = self.micro_batch_size * data_parallel_size
+        _require(
+            self.global_batch_size % per_step == 0,
+            f"--global-batch-size ({self.global_batch_size}) is not a multiple of "
+            f"--micro-batch-size ({self.micro_batch_size}) x data-parallel size "
+            f"({data_parallel_size}) = {per_step}",
+        )
+        return self.global_batch_size // per_step
+
+    def validate(self, data_parallel_size: int) -> None:
+        _positive(
+            micro_batch_size=self.micro_batch_size,
+            global_batch_size=self.global_batch_size,
+            train_iters=self.train_iters,
+            log_interval=self.log_interval,
+        )
+        _require(self.lr >= 0, f"--lr must not be negative, got {self.lr}")
+        self.num_microbatches(data_parallel_size)
+
+
+@dataclass(frozen=True)
+class Configs:
+    """Everything one run needs, validated together against a world size."""
+
+    model: ModelConfig
+    parallel: ParallelConfig
+    training: TrainingConfig
+    world_size: int = 1
+    warnings: tuple[str, ...] = field(default=(), compare=False)
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.parallel.data_parallel_size(self.world_size)
+
+
+def validate_configs(
+    model: ModelConfig, parallel: ParallelConfig, training: TrainingConfig, world_size: int
+) -> Configs:
+    """Check every flag combination; return the settled configs or raise ConfigError.
+
+    Settles the one case Megatron only warns about: --sequence-parallel with TP=1 is dropped.
+    """
+    model.validate()
+    parallel.validate(world_size)
+    tp = parallel.tensor_model_parallel_size
+    _divisible(("--num-attention-heads", model.num_attention_heads),
+               ("--tensor-model-parallel-size", tp))
+    _divisible(("--num-query-groups", model.num_query_groups),
+               ("--tensor-model-parallel-size", tp))
+    _divisible(("--ffn-hidden-size", model.ffn_hidden_size),
+               ("--tensor-model-parallel-size", tp))
+    notes: list[str] = []
+    if parallel.sequence_parallel and tp == 1:
+        notes.append("--sequence-parallel has no effect with --tensor-model-parallel-size 1; "
+                     "disabling it")
+        parallel = ParallelConfig(**{**parallel.__dict__, "sequence_parallel": False})
+    if parallel.sequence_parallel:
+        _divisible(("--seq-length", model.seq_length), ("--tensor-model-parallel-size", tp))
+    _require(parallel.pipeline_model_parallel_size <= model.num_layers,
+             f"--pipeline-model-parallel-size ({parallel.pipeline_model_parallel_size}) exceeds "
+             f"--num-layers ({model.num_layers})")
+    training.validate(parallel.data_parallel_size(world_size))
+    for note in notes:
+        warnings.warn(note, stacklevel=2)
+    return Configs(model, parallel, training, world_size, tuple(notes))

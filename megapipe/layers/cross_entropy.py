@@ -1,0 +1,68 @@
+"""Cross-entropy over vocabulary-parallel logits, without gathering the full vocabulary.
+
+Each rank holds logits for its slice of the vocabulary. Three all-reduces over the TP group (max
+for stability, sum of exponentials, the target's logit) give the exact loss; the gradient
+(softmax minus one-hot) is computed locally from saved per-rank softmax.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megapipe.parallel.state import Group
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, group: Group, start: int):
+        logits = logits.float()
+        row_max = logits.max(dim=-1).values
+        if group.size > 1:
+            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group.pg)
+        shifted = logits - row_max.unsqueeze(-1)
+
+        local_vocab = logits.shape[-1]
+        outside = (target < start) | (target >= start + local_vocab)
+        local_target = (target - start).masked_fill(outside, 0)
+        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
+        target_logit = target_logit.masked_fill(outside, 0.0)
+
+        exp = shifted.exp_()
+        sum_exp = exp.sum(dim=-1)
+        if group.size > 1:
+            both = torch.stack([target_logit, sum_exp])
+            dist.all_reduce(both, group=group.pg)
+            target_logit, sum_exp = both[0], both[1]
+        loss = sum_exp.log() - target_logit
+
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local_target, outside)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        softmax, local_target, outside = ctx.saved_tensors
+        grad = softmax.clone()
+        hit = (~outside).to(grad.dtype).unsqueeze(-1)
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), -hit)
+        grad.mul_(grad_loss.unsqueeze(-1))
+        return grad, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group: Group,
+                                 vocab_start: int = 0) -> torch.Tensor:
+    """Per-token loss, same shape as `target`.
+
+    logits: [..., vocab/tp], this rank's slice starting at token id `vocab_start`.
+    target: [...] token ids in the full vocabulary. Computed in fp32 whatever the logits' dtype.
+    """
+    return _VocabParallelCrossEntropy.apply(logits, target, group, vocab_start)
+
+
+def masked_mean(per_token_loss: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:
+    """Mean loss over tokens whose mask is 1 (all tokens when no mask)."""
+    if loss_mask is None:
+        return per_token_loss.mean()
+    mask = loss_mask.to(per_token_loss.dtype)
+    return (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)

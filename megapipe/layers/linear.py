@@ -1,0 +1,120 @@
+"""Column- and row-parallel linear layers (Megatron-LM's tensor-parallel MLP/attention halves).
+
+ColumnParallelLinear splits the output features across TP ranks (Y = X [A_1 .. A_t]); its input
+enters the TP region through `copy_to_tp_region` (all-reduce of the input gradient) or, with
+sequence parallelism, through an all-gather of the sequence. RowParallelLinear splits the input
+features (Y = sum_i X_i A_i) and leaves the region with an all-reduce, or a reduce-scatter of the
+sequence under sequence parallelism. Both return `(output, bias)`; bias is None unless
+`skip_bias_add`, which hands the bias to the caller for a fused bias-dropout-add.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from megapipe.layers.param_meta import ParamMeta, make_param
+from megapipe.parallel.mappings import (
+    copy_to_tp_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tp_region,
+    reduce_from_tp_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tp_region,
+)
+from megapipe.parallel.state import Group
+
+
+class ColumnParallelLinear(torch.nn.Module):
+    """Y = XA + b with A split along its output features across the TP group.
+
+    weight: pass an existing [out/tp, in] parameter (the tied word embedding) instead of
+    creating one. stride: the weight is `stride` stacked blocks each split across ranks.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        tp_group: Group,
+        *,
+        init_std: float,
+        bias: bool = True,
+        gather_output: bool = False,
+        skip_bias_add: bool = False,
+        sequence_parallel: bool = False,
+        stride: int = 1,
+        weight: torch.nn.Parameter | None = None,
+    ) -> None:
+        super().__init__()
+        self.tp_group = tp_group
+        self.gather_output = gather_output
+        self.skip_bias_add = skip_bias_add
+        self.sequence_parallel = sequence_parallel and tp_group.size > 1
+        if weight is None:
+            self.weight = make_param(
+                ParamMeta((output_size, input_size), tp_dim=0, tp_stride=stride,
+                          init_std=init_std), tp_group.size)
+        else:
+            self.weight = weight
+            if weight.shape != (output_size // tp_group.size, input_size):
+                raise ValueError(f"shared weight has shape {tuple(weight.shape)}, expected "
+                                 f"{(output_size // tp_group.size, input_size)}")
+        self.bias = (make_param(ParamMeta((output_size,), tp_dim=0, tp_stride=stride),
+                                tp_group.size) if bias else None)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, self.tp_group)
+        else:
+            x = copy_to_tp_region(x, self.tp_group)
+        bias = None if self.skip_bias_add else self.bias
+        y = F.linear(x, self.weight, bias)
+        if self.gather_output:
+            y = gather_from_tp_region(y, self.tp_group)
+        return y, (self.bias if self.skip_bias_add else None)
+
+
+class RowParallelLinear(torch.nn.Module):
+    """Y = XA + b with A split along its input features across the TP group.
+
+    input_is_parallel: X is already split along its last dimension (the output of a
+    ColumnParallelLinear); otherwise it is scattered first. The bias is added once, after the
+    reduction, so it is replicated (and partial-gradient under sequence parallelism).
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        tp_group: Group,
+        *,
+        init_std: float,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        skip_bias_add: bool = False,
+        sequence_parallel: bool = False,
+    ) -> None:
+        super().__init__()
+        self.tp_group = tp_group
+        self.input_is_parallel = input_is_parallel
+        self.skip_bias_add = skip_bias_add
+        self.sequence_parallel = sequence_parallel and tp_group.size > 1
+        self.weight = make_param(
+            ParamMeta((output_size, input_size), tp_dim=1, init_std=init_std), tp_group.size)
+        self.bias = (make_param(ParamMeta((output_size,), sequence_parallel=self.sequence_parallel),
+                                tp_group.size) if bias else None)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not self.input_is_parallel:
+            x = scatter_to_tp_region(x, self.tp_group)
+        if self.tp_group.size == 1 and not self.skip_bias_add:
+            return F.linear(x, self.weight, self.bias), None  # one fused op on one rank
+        y = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
+        else:
+            y = reduce_from_tp_region(y, self.tp_group)
+        if self.skip_bias_add:
+            return y, self.bias
+        return (y + self.bias if self.bias is not None else y), None

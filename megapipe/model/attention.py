@@ -1,0 +1,61 @@
+"""Causal self-attention with heads (and GQA query groups) split across TP ranks."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+
+from megapipe.config import ModelConfig
+from megapipe.layers.linear import ColumnParallelLinear, RowParallelLinear
+from megapipe.model.rotary import RotaryEmbedding
+from megapipe.parallel.random import RNGTracker
+from megapipe.parallel.state import Group
+
+
+class SelfAttention(torch.nn.Module):
+    """QKV projection -> (rotary) -> scaled_dot_product_attention -> output projection.
+
+    The fused QKV weight uses Megatron's layout, grouped per query group:
+    [group 0: q_0..q_{k-1}, k, v | group 1: ...] with k = heads / groups, so a contiguous TP
+    split hands each rank whole query groups with their keys and values.
+    """
+
+    def __init__(self, config: ModelConfig, tp: Group, rng: RNGTracker, *,
+                 output_init_std: float, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.rng = rng
+        self.dropout = config.attention_dropout
+        self.head_dim = config.head_dim
+        self.local_heads = config.num_attention_heads // tp.size
+        self.local_groups = config.num_query_groups // tp.size
+        self.queries_per_group = config.num_attention_heads // config.num_query_groups
+        qkv_size = config.head_dim * (config.num_attention_heads + 2 * config.num_query_groups)
+        self.linear_qkv = ColumnParallelLinear(
+            config.hidden_size, qkv_size, tp, init_std=config.init_method_std,
+            bias=config.add_bias_linear, sequence_parallel=sequence_parallel)
+        self.linear_proj = RowParallelLinear(
+            config.num_attention_heads * config.head_dim, config.hidden_size, tp,
+            init_std=output_init_std, bias=config.add_bias_linear, skip_bias_add=True,
+            sequence_parallel=sequence_parallel)
+
+    def forward(self, x: torch.Tensor, rotary: RotaryEmbedding | None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        qkv, _ = self.linear_qkv(x)
+        s, b = qkv.shape[:2]
+        qkv = qkv.view(s, b, self.local_groups, self.queries_per_group + 2, self.head_dim)
+        q = qkv[:, :, :, : self.queries_per_group].reshape(s, b, self.local_heads, self.head_dim)
+        k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]
+        if rotary is not None:
+            q, k = rotary(q), rotary(k)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
+        dropout = self.dropout if self.training else 0.0
+        context = self.rng.fork() if dropout > 0 else contextlib.nullcontext()
+        with context:
+            out = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=dropout, is_causal=True, scale=1.0 / math.sqrt(self.head_dim),
+                enable_gqa=self.local_groups != self.local_heads)
+        out = out.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim)
+        return self.linear_proj(out)

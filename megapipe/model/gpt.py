@@ -1,0 +1,166 @@
+"""The GPT model, buildable as the slice of layers one pipeline stage owns.
+
+Activations flow as [sequence, batch, hidden] (sequence-sharded under sequence parallelism).
+Parameter names are global: layer i is `decoder.layers.i` whichever stage holds it, which keeps
+initialisation, checkpoints and parity checks layout-independent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+from megapipe.config import ModelConfig
+from megapipe.layers.cross_entropy import vocab_parallel_cross_entropy
+from megapipe.layers.embedding import VocabParallelEmbedding, vocab_range
+from megapipe.layers.linear import ColumnParallelLinear
+from megapipe.layers.norms import build_norm
+from megapipe.layers.param_meta import ParamMeta, make_param
+from megapipe.model.initialization import initialize_parameters
+from megapipe.model.rotary import RotaryEmbedding
+from megapipe.model.transformer_layer import TransformerLayer
+from megapipe.parallel.mappings import scatter_to_sequence_parallel_region
+from megapipe.parallel.random import RNGTracker
+from megapipe.parallel.state import Group, ParallelState
+
+WORD_EMBEDDING = "embedding.word_embeddings.weight"
+
+
+class LanguageEmbedding(torch.nn.Module):
+    """Word (+ learned position) embeddings -> [s, b, h], sequence-scattered under SP."""
+
+    def __init__(self, config: ModelConfig, tp: Group, rng: RNGTracker, padded_vocab: int,
+                 sequence_parallel: bool) -> None:
+        super().__init__()
+        self.tp, self.rng = tp, rng
+        self.sequence_parallel = sequence_parallel
+        self.dropout = config.hidden_dropout
+        self.word_embeddings = VocabParallelEmbedding(
+            padded_vocab, config.hidden_size, tp, init_std=config.init_method_std,
+            vocab_size=config.vocab_size)
+        self.position_embeddings = None
+        if config.position_embedding_type == "learned_absolute":
+            self.position_embeddings = torch.nn.Embedding(
+                config.max_position_embeddings, config.hidden_size)
+            self.position_embeddings.weight = make_param(ParamMeta(
+                (config.max_position_embeddings, config.hidden_size),
+                init_std=config.init_method_std), 1)
+
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+        x = self.word_embeddings(tokens)  # [b, s, h], complete on every TP rank
+        if self.position_embeddings is not None:
+            if position_ids is None:
+                x = x + self.position_embeddings.weight[: tokens.shape[1]]
+            else:
+                x = x + self.position_embeddings(position_ids)
+        x = x.transpose(0, 1).contiguous()
+        if self.sequence_parallel:
+            x = scatter_to_sequence_parallel_region(x, self.tp)
+        if self.training and self.dropout > 0:
+            with self.rng.fork() if self.sequence_parallel else contextlib.nullcontext():
+                x = F.dropout(x, self.dropout, training=True)
+        return x
+
+
+class Decoder(torch.nn.Module):
+    """The transformer layers this stage owns (keyed by global index) and the final norm."""
+
+    def __init__(self, config: ModelConfig, tp: Group, rng: RNGTracker, layers: range,
+                 final_norm: bool, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.rng = rng
+        self.sequence_parallel = sequence_parallel
+        self.layers = torch.nn.ModuleDict({
+            str(i): TransformerLayer(config, tp, rng, sequence_parallel=sequence_parallel)
+            for i in layers})
+        self.final_layernorm = (build_norm(config.normalization, config.hidden_size,
+                                           config.layernorm_epsilon, sequence_parallel)
+                                if final_norm else None)
+
+    def forward(self, x: torch.Tensor, rotary: RotaryEmbedding | None) -> torch.Tensor:
+        # Under SP every activation is a per-rank shard: all dropout draws from the TP stream.
+        with self.rng.fork() if self.sequence_parallel else contextlib.nullcontext():
+            for layer in self.layers.values():
+                x = layer(x, rotary)
+        if self.final_layernorm is not None:
+            x = self.final_layernorm(x)
+        return x
+
+
+class GPTModel(torch.nn.Module):
+    """Pre-norm decoder-only transformer, or the part of it one pipeline stage owns.
+
+    layers: the global indices of the transformer layers this stage holds (default: all).
+    The first stage (layers start at 0) holds the embedding, the last the final norm and output
+    layer. With tied embeddings the last stage of a pipeline holds its own copy of the word
+    embedding, initialised to the same values (the pipeline keeps their grads in sync).
+    """
+
+    def __init__(self, config: ModelConfig, state: ParallelState, rng: RNGTracker, *,
+                 seed: int, sequence_parallel: bool = False, layers: range | None = None) -> None:
+        super().__init__()
+        layers = range(config.num_layers) if layers is None else layers
+        tp = state.tp
+        self.config = config
+        self.tp = tp
+        self.sequence_parallel = sequence_parallel and tp.size > 1
+        self.pre_process = layers.start == 0
+        self.post_process = layers.stop == config.num_layers
+        self.padded_vocab_size = config.padded_vocab_size(tp.size)
+        self.vocab_start = vocab_range(self.padded_vocab_size, tp.rank, tp.size)[0]
+
+        self.embedding = (LanguageEmbedding(config, tp, rng, self.padded_vocab_size,
+                                            self.sequence_parallel)
+                          if self.pre_process else None)
+        self.rotary = (RotaryEmbedding(config.head_dim, config.max_position_embeddings,
+                                       config.rotary_base)
+                       if config.position_embedding_type == "rope" else None)
+        self.decoder = Decoder(config, tp, rng, layers, self.post_process, self.sequence_parallel)
+        self.output_layer = None
+        if self.post_process:
+            tied = not config.untie_embeddings_and_output_weights
+            weight = self.embedding.word_embeddings.weight if tied and self.pre_process else None
+            if weight is None:
+                weight = make_param(ParamMeta(
+                    (self.padded_vocab_size, config.hidden_size), tp_dim=0,
+                    init_std=config.init_method_std, init_rows=config.vocab_size,
+                    init_name=WORD_EMBEDDING if tied else None), tp.size)
+            self.output_layer = ColumnParallelLinear(
+                config.hidden_size, self.padded_vocab_size, tp, init_std=config.init_method_std,
+                bias=False, sequence_parallel=self.sequence_parallel, weight=weight)
+        initialize_parameters(self, seed, tp.rank, tp.size)
+        self.to(state.device)
+
+    def forward(
+        self,
+        tokens: torch.Tensor | None = None,
+        hidden_states: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """First stage: `tokens` [b, s]; later stages: `hidden_states` [s, b, h].
+
+        Returns hidden states [s, b, h] before the last stage; on the last stage the
+        vocabulary-parallel logits [s, b, vocab/tp], or the per-token loss [b, s] when
+        `labels` [b, s] are given.
+        """
+        if self.pre_process:
+            hidden_states = self.embedding(tokens, position_ids)
+        x = self.decoder(hidden_states, self.rotary)
+        if not self.post_process:
+            return x
+        logits, _ = self.output_layer(x)
+        if labels is None:
+            return logits
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.tp, self.vocab_start)
+        return loss.t()
+
+    def shared_word_embedding(self) -> torch.nn.Parameter | None:
+        """The tied word-embedding weight this stage holds, if any (for the embedding group)."""
+        if self.config.untie_embeddings_and_output_weights:
+            return None
+        if self.embedding is not None:
+            return self.embedding.word_embeddings.weight
+        return self.output_layer.weight if self.output_layer is not None else None

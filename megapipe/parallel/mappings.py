@@ -1,0 +1,180 @@
+"""Autograd-aware collectives: where the tensor-parallel communication happens.
+
+Megatron's "f" and "g" operators and their sequence-parallel counterparts. Each pairs a forward
+collective with its adjoint in backward:
+
+| function                                  | forward                 | backward              |
+|-------------------------------------------|-------------------------|-----------------------|
+| copy_to_tp_region (f)                     | identity                | all-reduce            |
+| reduce_from_tp_region (g)                 | all-reduce              | identity              |
+| scatter_to_tp_region                      | split last dim          | all-gather last dim   |
+| gather_from_tp_region                     | all-gather last dim     | split last dim        |
+| scatter_to_sequence_parallel_region       | split dim 0 (sequence)  | all-gather dim 0      |
+| gather_from_sequence_parallel_region      | all-gather dim 0        | reduce-scatter dim 0  |
+| reduce_scatter_to_sequence_parallel_region| reduce-scatter dim 0    | all-gather dim 0      |
+
+Activations are [sequence, batch, hidden], so sequence-parallel shards are contiguous slices.
+Every function returns its input unchanged for a group of one: TP=1 pays nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megapipe.parallel.state import Group
+
+# torch >= 2.13 renamed the single-tensor collectives; keep working on older releases too.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Sum over the group into a new tensor (the input is left untouched)."""
+    out = x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(out, group=group.pg)
+    return out
+
+
+def split_along(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    """This rank's contiguous 1/size slice of `x` along `dim`."""
+    if x.shape[dim] % group.size:
+        raise ValueError(f"dimension {dim} of size {x.shape[dim]} does not split over "
+                         f"{group.size} ranks")
+    return x.chunk(group.size, dim=dim)[group.rank].contiguous()
+
+
+def all_gather_along(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    """Concatenate every rank's `x` along `dim`, in rank order."""
+    x = x.movedim(dim, 0).contiguous()
+    out = x.new_empty((x.shape[0] * group.size, *x.shape[1:]))
+    _all_gather_single(out, x, group=group.pg)
+    return out.movedim(0, dim).contiguous()
+
+
+def reduce_scatter_along(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    """Sum over the group, keeping this rank's 1/size slice along `dim`."""
+    if x.shape[dim] % group.size:
+        raise ValueError(f"dimension {dim} of size {x.shape[dim]} does not reduce-scatter over "
+                         f"{group.size} ranks")
+    x = x.movedim(dim, 0).contiguous()
+    out = x.new_empty((x.shape[0] // group.size, *x.shape[1:]))
+    _reduce_scatter_single(out, x, group=group.pg)
+    return out.movedim(0, dim).contiguous()
+
+
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterLastDim(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return split_along(x, -1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_along(grad, -1, ctx.group), None
+
+
+class _GatherLastDim(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_gather_along(x, -1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return split_along(grad, -1, ctx.group), None
+
+
+class _ScatterSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return split_along(x, 0, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_along(grad, 0, ctx.group), None
+
+
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, grad_is_partial):
+        ctx.group, ctx.grad_is_partial = group, grad_is_partial
+        return all_gather_along(x, 0, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # Consumers inside a TP region each hold a partial gradient of the full sequence: sum
+        # them while scattering. Replicated consumers hold the full gradient: just split.
+        if ctx.grad_is_partial:
+            return reduce_scatter_along(grad, 0, ctx.group), None, None
+        return split_along(grad, 0, ctx.group), None, None
+
+
+class _ReduceScatterSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return reduce_scatter_along(x, 0, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_along(grad, 0, ctx.group), None
+
+
+def copy_to_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Megatron's f: enter a TP region (identity forward, all-reduce backward)."""
+    return x if group.size == 1 else _CopyToRegion.apply(x, group)
+
+
+def reduce_from_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Megatron's g: leave a TP region by summing partial results (all-reduce forward)."""
+    return x if group.size == 1 else _ReduceFromRegion.apply(x, group)
+
+
+def scatter_to_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Keep this rank's slice of the last dimension."""
+    return x if group.size == 1 else _ScatterLastDim.apply(x, group)
+
+
+def gather_from_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """All-gather the last dimension."""
+    return x if group.size == 1 else _GatherLastDim.apply(x, group)
+
+
+def scatter_to_sequence_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Keep this rank's slice of the sequence (dim 0)."""
+    return x if group.size == 1 else _ScatterSequence.apply(x, group)
+
+
+def gather_from_sequence_parallel_region(
+    x: torch.Tensor, group: Group, grad_is_partial: bool = True
+) -> torch.Tensor:
+    """All-gather the sequence before a column-parallel layer (reduce-scatter in backward)."""
+    return x if group.size == 1 else _GatherSequence.apply(x, group, grad_is_partial)
+
+
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Sum partial results and keep this rank's sequence slice, after a row-parallel layer."""
+    return x if group.size == 1 else _ReduceScatterSequence.apply(x, group)

@@ -1,0 +1,92 @@
+"""Tensor-parallel-aware random number streams for dropout.
+
+Two streams per rank, as in Megatron-LM:
+
+* the *default* stream (torch's own generator on the device), seeded identically on every TP
+  rank of a stage, so dropout on replicated activations (after a row-parallel all-reduce)
+  draws the same mask everywhere and the replicas stay identical;
+* the *tensor-parallel* stream, seeded differently per TP rank, used inside TP regions (the
+  attention probabilities of each rank's heads; everything under sequence parallelism), so
+  shards of one logical tensor do not share a mask.
+
+`fork()` swaps the device generator's state with the TP stream's for the duration of a block,
+so any kernel (scaled_dot_product_attention's dropout, fused kernels) draws from it unchanged.
+The tracker is an object passed to the model, not module state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+# Offsets Megatron-LM uses, so seeds mean the same thing to users of both.
+PIPELINE_SEED_OFFSET = 100
+TENSOR_PARALLEL_SEED_OFFSET = 2718
+
+
+def _get_state(device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":
+        return torch.cuda.get_rng_state(device)
+    return torch.get_rng_state()
+
+
+def _set_state(device: torch.device, state: torch.Tensor) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+class RNGTracker:
+    """The default and tensor-parallel random streams of one rank."""
+
+    def __init__(self, seed: int, tp_rank: int = 0, pp_rank: int = 0,
+                 device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.default_seed = seed + PIPELINE_SEED_OFFSET * pp_rank
+        self.tensor_parallel_seed = self.default_seed + TENSOR_PARALLEL_SEED_OFFSET + tp_rank
+        self._depth = 0
+        saved = _get_state(self.device)
+        self._seed_device(self.tensor_parallel_seed)
+        self._tp_state = _get_state(self.device)
+        _set_state(self.device, saved)
+
+    def _seed_device(self, seed: int) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.manual_seed(seed)
+        else:
+            torch.manual_seed(seed)
+
+    def seed_default(self) -> None:
+        """Seed the device's default generator with this rank's default-stream seed."""
+        self._seed_device(self.default_seed)
+
+    @contextlib.contextmanager
+    def fork(self) -> Iterator[None]:
+        """Draw from the tensor-parallel stream inside the block. Re-entrant."""
+        if self._depth:
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+            return
+        outer = _get_state(self.device)
+        _set_state(self.device, self._tp_state)
+        self._depth = 1
+        try:
+            yield
+        finally:
+            self._depth = 0
+            self._tp_state = _get_state(self.device)
+            _set_state(self.device, outer)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Both streams, for checkpoints (bit-exact resume of dropout masks)."""
+        return {"default": _get_state(self.device), "tensor_parallel": self._tp_state.clone()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        _set_state(self.device, state["default"])
+        self._tp_state = state["tensor_parallel"].clone()

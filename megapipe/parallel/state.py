@@ -1,0 +1,141 @@
+"""Process groups for 3D parallelism, held in one object that is passed to whoever needs it.
+
+Rank layout (Megatron's default "tp-dp-pp" order): TP is the fastest-varying index, then DP,
+then PP, so `rank = tp_rank + tp * (dp_rank + dp * pp_rank)`. The ranks of one TP group are
+adjacent (one node, NVLink); pipeline stages are outermost.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megapipe.config import ConfigError
+
+GROUP_KINDS = ("tp", "pp", "dp", "model_parallel", "embedding", "position_embedding")
+
+
+@dataclass(frozen=True)
+class Group:
+    """One process group as seen from one rank: its members, our index, and the torch group.
+
+    `pg` is None for a group of one, so collectives over it are skipped without needing an
+    initialised torch.distributed (single-rank models run with no process group at all).
+    """
+
+    ranks: tuple[int, ...]
+    rank: int
+    pg: dist.ProcessGroup | None = None
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @classmethod
+    def single(cls, global_rank: int = 0) -> Group:
+        return cls((global_rank,), 0)
+
+
+def rank_layout(world_size: int, tp: int, pp: int) -> dict[str, list[list[int]]]:
+    """All groups of each kind, as lists of global ranks, for a world of `world_size`.
+
+    Pure and deterministic: every rank computes the same lists, in the same order, which is what
+    `torch.distributed.new_group` requires.
+    """
+    if tp <= 0 or pp <= 0 or world_size % (tp * pp) != 0:
+        raise ConfigError(
+            f"world size ({world_size}) is not divisible by --tensor-model-parallel-size ({tp}) "
+            f"x --pipeline-model-parallel-size ({pp})"
+        )
+    dp = world_size // (tp * pp)
+
+    def rank(t: int, d: int, p: int) -> int:
+        return t + tp * (d + dp * p)
+
+    groups: dict[str, list[list[int]]] = {
+        "tp": [[rank(t, d, p) for t in range(tp)] for p in range(pp) for d in range(dp)],
+        "dp": [[rank(t, d, p) for d in range(dp)] for p in range(pp) for t in range(tp)],
+        "pp": [[rank(t, d, p) for p in range(pp)] for d in range(dp) for t in range(tp)],
+        "model_parallel": [
+            [rank(t, d, p) for p in range(pp) for t in range(tp)] for d in range(dp)
+        ],
+    }
+    # Tied input/output embeddings live on the first and last stage; their grads meet here.
+    groups["embedding"] = [sorted({g[0], g[-1]}) for g in groups["pp"]]
+    groups["position_embedding"] = [[g[0]] for g in groups["pp"]]
+    return groups
+
+
+@dataclass(frozen=True)
+class ParallelState:
+    """This rank's place in the TP x DP x PP cube and the groups it communicates over."""
+
+    world_size: int
+    rank: int
+    tp: Group
+    pp: Group
+    dp: Group
+    model_parallel: Group
+    embedding: Group
+    position_embedding: Group
+    device: torch.device
+
+    @property
+    def tp_rank(self) -> int:
+        return self.tp.rank
+
+    @property
+    def pp_rank(self) -> int:
+        return self.pp.rank
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dp.rank
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp.rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp.rank == self.pp.size - 1
+
+    @classmethod
+    def single(cls, device: torch.device | str = "cpu") -> ParallelState:
+        """A one-rank world: every group is just this rank; no torch.distributed needed."""
+        one = Group.single()
+        return cls(1, 0, one, one, one, one, one, one, torch.device(device))
+
+    @classmethod
+    def build(
+        cls,
+        tensor_model_parallel_size: int = 1,
+        pipeline_model_parallel_size: int = 1,
+        device: torch.device | str | None = None,
+    ) -> ParallelState:
+        """Create every group from the initialised default process group.
+
+        Collective: all ranks must call it with the same sizes. Groups of one rank get no torch
+        process group at all (nothing to communicate), which also keeps start-up fast.
+        """
+        if not dist.is_initialized():
+            raise RuntimeError("ParallelState.build needs torch.distributed initialised; "
+                               "use ParallelState.single() for one process")
+        world, me = dist.get_world_size(), dist.get_rank()
+        layout = rank_layout(world, tensor_model_parallel_size, pipeline_model_parallel_size)
+        mine: dict[str, Group] = {}
+        for kind in GROUP_KINDS:
+            for ranks in layout[kind]:
+                pg = dist.new_group(ranks) if len(ranks) > 1 else None
+                if me in ranks:
+                    mine[kind] = Group(tuple(ranks), ranks.index(me), pg)
+        if device is None:
+            device = torch.device("cpu")
+        return cls(world, me, device=torch.device(device), **mine)
+
+    def describe(self) -> str:
+        return (f"rank {self.rank}: tp {self.tp_rank}/{self.tp.size} dp {self.dp_rank}/"
+                f"{self.dp.size} pp {self.pp_rank}/{self.pp.size}")
+

@@ -1,0 +1,25 @@
+"""Install megapipe: `pip install torch==2.13.0 && pip install -e ".[dev]"` on a CPU machine."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megapipe",
+    version="0.1.0",
+    description="Megatron-style 3D-parallel GPT training in plain PyTorch, with a real CPU mode",
+    packages=find_packages(include=["megapipe", "megapipe.*"]),
+    python_requires=">=3.10",
+    # A range, not a pin: the CPU wheel torch==2.13.0 satisfies it, so an already-installed CPU
+    # torch is kept and pip never pulls a multi-GB CUDA build on a CPU machine.
+    install_requires=[
+        "torch>=2.4,<3",
+        "numpy>=1.24",
+        "sentencepiece>=0.1.99",
+        "tensorboard>=2.12",
+        "tqdm>=4.60",
+    ],
+    extras_require={
+        "dev": ["pytest>=7", "pytest-timeout>=2.1", "ruff>=0.5", "hypothesis>=6"],
+        "gpu": ["triton>=2.3"],
+    },
+    py_modules=["pretrain_gpt"],
+)
