@@ -119,8 +119,11 @@ class ModelConfig:
                 f"({self.max_position_embeddings}) with learned absolute position embeddings",
             )
         if self.position_embedding_type == "rope":
-            _require(self.head_dim % 2 == 0, f"rotary embeddings need an even head dim, got "
-                     f"--hidden-size/--num-attention-heads = {self.head_dim}")
+            _require(
+                self.head_dim % 2 == 0,
+                f"rotary embeddings need an even head dim, got "
+                f"--hidden-size/--num-attention-heads = {self.head_dim}",
+            )
         for name in ("attention_dropout", "hidden_dropout"):
             value = getattr(self, name)
             _require(0.0 <= value < 1.0, f"{flag(name)} must be in [0, 1), got {value}")
@@ -215,22 +218,24 @@ def validate_configs(
     model.validate()
     parallel.validate(world_size)
     tp = parallel.tensor_model_parallel_size
-    _divisible(("--num-attention-heads", model.num_attention_heads),
-               ("--tensor-model-parallel-size", tp))
-    _divisible(("--num-query-groups", model.num_query_groups),
-               ("--tensor-model-parallel-size", tp))
-    _divisible(("--ffn-hidden-size", model.ffn_hidden_size),
-               ("--tensor-model-parallel-size", tp))
+    _divisible(
+        ("--num-attention-heads", model.num_attention_heads), ("--tensor-model-parallel-size", tp)
+    )
+    _divisible(("--num-query-groups", model.num_query_groups), ("--tensor-model-parallel-size", tp))
+    _divisible(("--ffn-hidden-size", model.ffn_hidden_size), ("--tensor-model-parallel-size", tp))
     notes: list[str] = []
     if parallel.sequence_parallel and tp == 1:
-        notes.append("--sequence-parallel has no effect with --tensor-model-parallel-size 1; "
-                     "disabling it")
+        notes.append(
+            "--sequence-parallel has no effect with --tensor-model-parallel-size 1; disabling it"
+        )
         parallel = ParallelConfig(**{**parallel.__dict__, "sequence_parallel": False})
     if parallel.sequence_parallel:
         _divisible(("--seq-length", model.seq_length), ("--tensor-model-parallel-size", tp))
-    _require(parallel.pipeline_model_parallel_size <= model.num_layers,
-             f"--pipeline-model-parallel-size ({parallel.pipeline_model_parallel_size}) exceeds "
-             f"--num-layers ({model.num_layers})")
+    _require(
+        parallel.pipeline_model_parallel_size <= model.num_layers,
+        f"--pipeline-model-parallel-size ({parallel.pipeline_model_parallel_size}) exceeds "
+        f"--num-layers ({model.num_layers})",
+    )
     training.validate(parallel.data_parallel_size(world_size))
     for note in notes:
         warnings.warn(note, stacklevel=2)

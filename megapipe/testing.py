@@ -9,6 +9,7 @@ naming the ranks that did not finish, instead of hanging the test run.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
@@ -21,7 +22,6 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-
 # When one rank fails, give its peers a moment to report their own error, then stop waiting.
 _FAILURE_GRACE_S = 2.0
 
@@ -30,30 +30,42 @@ class DistributedTestError(RuntimeError):
     """One or more ranks failed, died or timed out."""
 
 
-def _worker(rank: int, world_size: int, init_file: str, results: mp.Queue,
-            fn: Callable[..., Any], args: tuple, kwargs: dict, timeout: float) -> None:
+def _worker(
+    rank: int,
+    world_size: int,
+    init_file: str,
+    results: mp.Queue,
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    timeout: float,
+) -> None:
     import torch
 
     torch.set_num_threads(1)
     import torch.distributed as dist
 
     try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                                world_size=world_size, timeout=timedelta(seconds=timeout))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout),
+        )
         value = fn(rank, world_size, *args, **kwargs)
         results.put((rank, True, pickle.dumps(value)))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
     finally:
         if dist.is_initialized():
-            try:
+            with contextlib.suppress(Exception):
                 dist.destroy_process_group()
-            except Exception:
-                pass
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
-                    timeout: float = 120.0, **kwargs: Any) -> list[Any]:
+def run_distributed(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, **kwargs: Any
+) -> list[Any]:
     """Call `fn(rank, world_size, *args, **kwargs)` on `world_size` forked gloo ranks.
 
     Returns the per-rank return values (picklable), in rank order.
@@ -62,9 +74,14 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
     workdir = tempfile.mkdtemp(prefix="megapipe-rdzv-")
     init_file = os.path.join(workdir, "rendezvous")
     results: mp.Queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, name=f"rank{r}",
-                         args=(r, world_size, init_file, results, fn, args, kwargs, timeout))
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(
+            target=_worker,
+            name=f"rank{r}",
+            args=(r, world_size, init_file, results, fn, args, kwargs, timeout),
+        )
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     values: dict[int, Any] = {}
@@ -106,7 +123,6 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
         others = ", ".join(str(r) for r in sorted(failures) if r != first)
         extra = f" (ranks {others} also failed)" if others else ""
         raise DistributedTestError(
-            f"{len(failures)} of {world_size} ranks failed{extra}; rank {first}:\n"
-            f"{failures[first]}")
+            f"{len(failures)} of {world_size} ranks failed{extra}; rank {first}:\n{failures[first]}"
+        )
     return [values[r] for r in range(world_size)]
-

@@ -50,8 +50,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group: Group,
-                                 vocab_start: int = 0) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, group: Group, vocab_start: int = 0
+) -> torch.Tensor:
     """Per-token loss, same shape as `target`.
 
     logits: [..., vocab/tp], this rank's slice starting at token id `vocab_start`.

@@ -23,14 +23,27 @@ class VocabParallelEmbedding(torch.nn.Module):
     rows are initialised independently of how much padding the layout needs.
     """
 
-    def __init__(self, padded_vocab_size: int, embedding_dim: int, tp_group: Group, *,
-                 init_std: float, vocab_size: int | None = None) -> None:
+    def __init__(
+        self,
+        padded_vocab_size: int,
+        embedding_dim: int,
+        tp_group: Group,
+        *,
+        init_std: float,
+        vocab_size: int | None = None,
+    ) -> None:
         super().__init__()
         self.tp_group = tp_group
         self.start, self.end = vocab_range(padded_vocab_size, tp_group.rank, tp_group.size)
         self.weight = make_param(
-            ParamMeta((padded_vocab_size, embedding_dim), tp_dim=0, init_std=init_std,
-                      init_rows=vocab_size), tp_group.size)
+            ParamMeta(
+                (padded_vocab_size, embedding_dim),
+                tp_dim=0,
+                init_std=init_std,
+                init_rows=vocab_size,
+            ),
+            tp_group.size,
+        )
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_group.size == 1:

@@ -53,15 +53,21 @@ class ColumnParallelLinear(torch.nn.Module):
         self.sequence_parallel = sequence_parallel and tp_group.size > 1
         if weight is None:
             self.weight = make_param(
-                ParamMeta((output_size, input_size), tp_dim=0, tp_stride=stride,
-                          init_std=init_std), tp_group.size)
+                ParamMeta((output_size, input_size), tp_dim=0, tp_stride=stride, init_std=init_std),
+                tp_group.size,
+            )
         else:
             self.weight = weight
             if weight.shape != (output_size // tp_group.size, input_size):
-                raise ValueError(f"shared weight has shape {tuple(weight.shape)}, expected "
-                                 f"{(output_size // tp_group.size, input_size)}")
-        self.bias = (make_param(ParamMeta((output_size,), tp_dim=0, tp_stride=stride),
-                                tp_group.size) if bias else None)
+                raise ValueError(
+                    f"shared weight has shape {tuple(weight.shape)}, expected "
+                    f"{(output_size // tp_group.size, input_size)}"
+                )
+        self.bias = (
+            make_param(ParamMeta((output_size,), tp_dim=0, tp_stride=stride), tp_group.size)
+            if bias
+            else None
+        )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.sequence_parallel:
@@ -101,9 +107,15 @@ class RowParallelLinear(torch.nn.Module):
         self.skip_bias_add = skip_bias_add
         self.sequence_parallel = sequence_parallel and tp_group.size > 1
         self.weight = make_param(
-            ParamMeta((output_size, input_size), tp_dim=1, init_std=init_std), tp_group.size)
-        self.bias = (make_param(ParamMeta((output_size,), sequence_parallel=self.sequence_parallel),
-                                tp_group.size) if bias else None)
+            ParamMeta((output_size, input_size), tp_dim=1, init_std=init_std), tp_group.size
+        )
+        self.bias = (
+            make_param(
+                ParamMeta((output_size,), sequence_parallel=self.sequence_parallel), tp_group.size
+            )
+            if bias
+            else None
+        )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if not self.input_is_parallel:

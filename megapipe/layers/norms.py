@@ -12,10 +12,12 @@ class LayerNorm(torch.nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-5, sequence_parallel: bool = False):
         super().__init__()
         self.eps = eps
-        self.weight = make_param(ParamMeta((hidden_size,), init_fill=1.0,
-                                           sequence_parallel=sequence_parallel), 1)
-        self.bias = make_param(ParamMeta((hidden_size,), init_fill=0.0,
-                                         sequence_parallel=sequence_parallel), 1)
+        self.weight = make_param(
+            ParamMeta((hidden_size,), init_fill=1.0, sequence_parallel=sequence_parallel), 1
+        )
+        self.bias = make_param(
+            ParamMeta((hidden_size,), init_fill=0.0, sequence_parallel=sequence_parallel), 1
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
@@ -25,15 +27,15 @@ class RMSNorm(torch.nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-5, sequence_parallel: bool = False):
         super().__init__()
         self.eps = eps
-        self.weight = make_param(ParamMeta((hidden_size,), init_fill=1.0,
-                                           sequence_parallel=sequence_parallel), 1)
+        self.weight = make_param(
+            ParamMeta((hidden_size,), init_fill=1.0, sequence_parallel=sequence_parallel), 1
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
-def build_norm(kind: str, hidden_size: int, eps: float, sequence_parallel: bool
-               ) -> torch.nn.Module:
+def build_norm(kind: str, hidden_size: int, eps: float, sequence_parallel: bool) -> torch.nn.Module:
     """The norm named by --normalization."""
     norms = {"LayerNorm": LayerNorm, "RMSNorm": RMSNorm}
     return norms[kind](hidden_size, eps, sequence_parallel)

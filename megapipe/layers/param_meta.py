@@ -23,8 +23,8 @@ class ParamMeta:
     init_std: normal(0, init_std) initialisation; None means constant `init_fill`.
     init_rows: for vocabulary-padded tensors, the leading rows drawn from the main stream (the
         real vocabulary), so they do not depend on how much padding a layout needs.
-    init_name: global name whose values this parameter copies (the last stage's copy of a tied
-        word embedding); None means the parameter's own name.
+    copy_of: global name of the parameter this one mirrors (the last pipeline stage's copy of a
+        tied word embedding): initialised from that name, and counted once in the grad norm.
     sequence_parallel: the replica sees only this rank's sequence shard, so its gradient is
         partial and must be summed over TP before the optimizer step.
     """
@@ -35,7 +35,7 @@ class ParamMeta:
     init_std: float | None = None
     init_fill: float = 0.0
     init_rows: int | None = None
-    init_name: str | None = None
+    copy_of: str | None = None
     sequence_parallel: bool = False
 
     @property
@@ -48,8 +48,10 @@ def make_param(meta: ParamMeta, tp_size: int) -> torch.nn.Parameter:
     shape = list(meta.full_shape)
     if meta.tp_dim is not None:
         if shape[meta.tp_dim] % (tp_size * meta.tp_stride):
-            raise ValueError(f"dimension {meta.tp_dim} of {meta.full_shape} does not split "
-                             f"into {tp_size} x {meta.tp_stride}")
+            raise ValueError(
+                f"dimension {meta.tp_dim} of {meta.full_shape} does not split "
+                f"into {tp_size} x {meta.tp_stride}"
+            )
         shape[meta.tp_dim] //= tp_size
     param = torch.nn.Parameter(torch.empty(shape))
     param.meta = meta
@@ -61,5 +63,4 @@ def shard_of(full: torch.Tensor, meta: ParamMeta, tp_rank: int, tp_size: int) ->
     if meta.tp_dim is None or tp_size == 1:
         return full
     blocks = full.chunk(meta.tp_stride, dim=meta.tp_dim)
-    return torch.cat([b.chunk(tp_size, dim=meta.tp_dim)[tp_rank] for b in blocks],
-                     dim=meta.tp_dim)
+    return torch.cat([b.chunk(tp_size, dim=meta.tp_dim)[tp_rank] for b in blocks], dim=meta.tp_dim)

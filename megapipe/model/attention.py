@@ -23,8 +23,15 @@ class SelfAttention(torch.nn.Module):
     split hands each rank whole query groups with their keys and values.
     """
 
-    def __init__(self, config: ModelConfig, tp: Group, rng: RNGTracker, *,
-                 output_init_std: float, sequence_parallel: bool) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        tp: Group,
+        rng: RNGTracker,
+        *,
+        output_init_std: float,
+        sequence_parallel: bool,
+    ) -> None:
         super().__init__()
         self.rng = rng
         self.dropout = config.attention_dropout
@@ -34,15 +41,26 @@ class SelfAttention(torch.nn.Module):
         self.queries_per_group = config.num_attention_heads // config.num_query_groups
         qkv_size = config.head_dim * (config.num_attention_heads + 2 * config.num_query_groups)
         self.linear_qkv = ColumnParallelLinear(
-            config.hidden_size, qkv_size, tp, init_std=config.init_method_std,
-            bias=config.add_bias_linear, sequence_parallel=sequence_parallel)
+            config.hidden_size,
+            qkv_size,
+            tp,
+            init_std=config.init_method_std,
+            bias=config.add_bias_linear,
+            sequence_parallel=sequence_parallel,
+        )
         self.linear_proj = RowParallelLinear(
-            config.num_attention_heads * config.head_dim, config.hidden_size, tp,
-            init_std=output_init_std, bias=config.add_bias_linear, skip_bias_add=True,
-            sequence_parallel=sequence_parallel)
+            config.num_attention_heads * config.head_dim,
+            config.hidden_size,
+            tp,
+            init_std=output_init_std,
+            bias=config.add_bias_linear,
+            skip_bias_add=True,
+            sequence_parallel=sequence_parallel,
+        )
 
-    def forward(self, x: torch.Tensor, rotary: RotaryEmbedding | None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, x: torch.Tensor, rotary: RotaryEmbedding | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         qkv, _ = self.linear_qkv(x)
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.local_groups, self.queries_per_group + 2, self.head_dim)
@@ -55,7 +73,13 @@ class SelfAttention(torch.nn.Module):
         context = self.rng.fork() if dropout > 0 else contextlib.nullcontext()
         with context:
             out = F.scaled_dot_product_attention(
-                q, k, v, dropout_p=dropout, is_causal=True, scale=1.0 / math.sqrt(self.head_dim),
-                enable_gqa=self.local_groups != self.local_heads)
+                q,
+                k,
+                v,
+                dropout_p=dropout,
+                is_causal=True,
+                scale=1.0 / math.sqrt(self.head_dim),
+                enable_gqa=self.local_groups != self.local_heads,
+            )
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim)
         return self.linear_proj(out)

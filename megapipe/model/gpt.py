@@ -31,22 +31,37 @@ WORD_EMBEDDING = "embedding.word_embeddings.weight"
 class LanguageEmbedding(torch.nn.Module):
     """Word (+ learned position) embeddings -> [s, b, h], sequence-scattered under SP."""
 
-    def __init__(self, config: ModelConfig, tp: Group, rng: RNGTracker, padded_vocab: int,
-                 sequence_parallel: bool) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        tp: Group,
+        rng: RNGTracker,
+        padded_vocab: int,
+        sequence_parallel: bool,
+    ) -> None:
         super().__init__()
         self.tp, self.rng = tp, rng
         self.sequence_parallel = sequence_parallel
         self.dropout = config.hidden_dropout
         self.word_embeddings = VocabParallelEmbedding(
-            padded_vocab, config.hidden_size, tp, init_std=config.init_method_std,
-            vocab_size=config.vocab_size)
+            padded_vocab,
+            config.hidden_size,
+            tp,
+            init_std=config.init_method_std,
+            vocab_size=config.vocab_size,
+        )
         self.position_embeddings = None
         if config.position_embedding_type == "learned_absolute":
             self.position_embeddings = torch.nn.Embedding(
-                config.max_position_embeddings, config.hidden_size)
-            self.position_embeddings.weight = make_param(ParamMeta(
-                (config.max_position_embeddings, config.hidden_size),
-                init_std=config.init_method_std), 1)
+                config.max_position_embeddings, config.hidden_size
+            )
+            self.position_embeddings.weight = make_param(
+                ParamMeta(
+                    (config.max_position_embeddings, config.hidden_size),
+                    init_std=config.init_method_std,
+                ),
+                1,
+            )
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
         x = self.word_embeddings(tokens)  # [b, s, h], complete on every TP rank
@@ -67,17 +82,34 @@ class LanguageEmbedding(torch.nn.Module):
 class Decoder(torch.nn.Module):
     """The transformer layers this stage owns (keyed by global index) and the final norm."""
 
-    def __init__(self, config: ModelConfig, tp: Group, rng: RNGTracker, layers: range,
-                 final_norm: bool, sequence_parallel: bool) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        tp: Group,
+        rng: RNGTracker,
+        layers: range,
+        final_norm: bool,
+        sequence_parallel: bool,
+    ) -> None:
         super().__init__()
         self.rng = rng
         self.sequence_parallel = sequence_parallel
-        self.layers = torch.nn.ModuleDict({
-            str(i): TransformerLayer(config, tp, rng, sequence_parallel=sequence_parallel)
-            for i in layers})
-        self.final_layernorm = (build_norm(config.normalization, config.hidden_size,
-                                           config.layernorm_epsilon, sequence_parallel)
-                                if final_norm else None)
+        self.layers = torch.nn.ModuleDict(
+            {
+                str(i): TransformerLayer(config, tp, rng, sequence_parallel=sequence_parallel)
+                for i in layers
+            }
+        )
+        self.final_layernorm = (
+            build_norm(
+                config.normalization,
+                config.hidden_size,
+                config.layernorm_epsilon,
+                sequence_parallel,
+            )
+            if final_norm
+            else None
+        )
 
     def forward(self, x: torch.Tensor, rotary: RotaryEmbedding | None) -> torch.Tensor:
         # Under SP every activation is a per-rank shard: all dropout draws from the TP stream.
@@ -98,8 +130,16 @@ class GPTModel(torch.nn.Module):
     embedding, initialised to the same values (the pipeline keeps their grads in sync).
     """
 
-    def __init__(self, config: ModelConfig, state: ParallelState, rng: RNGTracker, *,
-                 seed: int, sequence_parallel: bool = False, layers: range | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        state: ParallelState,
+        rng: RNGTracker,
+        *,
+        seed: int,
+        sequence_parallel: bool = False,
+        layers: range | None = None,
+    ) -> None:
         super().__init__()
         layers = range(config.num_layers) if layers is None else layers
         tp = state.tp
@@ -111,25 +151,41 @@ class GPTModel(torch.nn.Module):
         self.padded_vocab_size = config.padded_vocab_size(tp.size)
         self.vocab_start = vocab_range(self.padded_vocab_size, tp.rank, tp.size)[0]
 
-        self.embedding = (LanguageEmbedding(config, tp, rng, self.padded_vocab_size,
-                                            self.sequence_parallel)
-                          if self.pre_process else None)
-        self.rotary = (RotaryEmbedding(config.head_dim, config.max_position_embeddings,
-                                       config.rotary_base)
-                       if config.position_embedding_type == "rope" else None)
+        self.embedding = (
+            LanguageEmbedding(config, tp, rng, self.padded_vocab_size, self.sequence_parallel)
+            if self.pre_process
+            else None
+        )
+        self.rotary = (
+            RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rotary_base)
+            if config.position_embedding_type == "rope"
+            else None
+        )
         self.decoder = Decoder(config, tp, rng, layers, self.post_process, self.sequence_parallel)
         self.output_layer = None
         if self.post_process:
             tied = not config.untie_embeddings_and_output_weights
             weight = self.embedding.word_embeddings.weight if tied and self.pre_process else None
             if weight is None:
-                weight = make_param(ParamMeta(
-                    (self.padded_vocab_size, config.hidden_size), tp_dim=0,
-                    init_std=config.init_method_std, init_rows=config.vocab_size,
-                    init_name=WORD_EMBEDDING if tied else None), tp.size)
+                weight = make_param(
+                    ParamMeta(
+                        (self.padded_vocab_size, config.hidden_size),
+                        tp_dim=0,
+                        init_std=config.init_method_std,
+                        init_rows=config.vocab_size,
+                        copy_of=WORD_EMBEDDING if tied else None,
+                    ),
+                    tp.size,
+                )
             self.output_layer = ColumnParallelLinear(
-                config.hidden_size, self.padded_vocab_size, tp, init_std=config.init_method_std,
-                bias=False, sequence_parallel=self.sequence_parallel, weight=weight)
+                config.hidden_size,
+                self.padded_vocab_size,
+                tp,
+                init_std=config.init_method_std,
+                bias=False,
+                sequence_parallel=self.sequence_parallel,
+                weight=weight,
+            )
         initialize_parameters(self, seed, tp.rank, tp.size)
         self.to(state.device)
 

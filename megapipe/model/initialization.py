@@ -27,14 +27,17 @@ def full_tensor(seed: int, name: str, meta: ParamMeta) -> torch.Tensor:
     """The parameter's value on a single rank, in fp32 on the CPU."""
     if meta.init_std is None:
         return torch.full(meta.full_shape, meta.init_fill)
-    source = meta.init_name or name
+    source = meta.copy_of or name
     rows = meta.init_rows if meta.init_rows is not None else meta.full_shape[0]
     parts = []
     for part_name, n in ((source, rows), (source + "#padding", meta.full_shape[0] - rows)):
         if n:
             generator = torch.Generator().manual_seed(name_seed(seed, part_name))
-            parts.append(torch.empty((n, *meta.full_shape[1:])).normal_(
-                0.0, meta.init_std, generator=generator))
+            parts.append(
+                torch.empty((n, *meta.full_shape[1:])).normal_(
+                    0.0, meta.init_std, generator=generator
+                )
+            )
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 

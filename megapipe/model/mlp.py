@@ -11,20 +11,32 @@ from megapipe.parallel.state import Group
 
 
 class MLP(torch.nn.Module):
-    """With SwiGLU, fc1 holds [gate; up] stacked (stride 2: each TP rank keeps its slice of both)."""
+    """With SwiGLU, fc1 holds [gate; up] stacked (stride 2: each TP rank keeps a slice of both)."""
 
-    def __init__(self, config: ModelConfig, tp: Group, *, output_init_std: float,
-                 sequence_parallel: bool) -> None:
+    def __init__(
+        self, config: ModelConfig, tp: Group, *, output_init_std: float, sequence_parallel: bool
+    ) -> None:
         super().__init__()
         self.swiglu = config.swiglu
         fc1_size = config.ffn_hidden_size * (2 if config.swiglu else 1)
         self.linear_fc1 = ColumnParallelLinear(
-            config.hidden_size, fc1_size, tp, init_std=config.init_method_std,
-            bias=config.add_bias_linear, sequence_parallel=sequence_parallel,
-            stride=2 if config.swiglu else 1)
+            config.hidden_size,
+            fc1_size,
+            tp,
+            init_std=config.init_method_std,
+            bias=config.add_bias_linear,
+            sequence_parallel=sequence_parallel,
+            stride=2 if config.swiglu else 1,
+        )
         self.linear_fc2 = RowParallelLinear(
-            config.ffn_hidden_size, config.hidden_size, tp, init_std=output_init_std,
-            bias=config.add_bias_linear, skip_bias_add=True, sequence_parallel=sequence_parallel)
+            config.ffn_hidden_size,
+            config.hidden_size,
+            tp,
+            init_std=output_init_std,
+            bias=config.add_bias_linear,
+            skip_bias_add=True,
+            sequence_parallel=sequence_parallel,
+        )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         h, _ = self.linear_fc1(x)

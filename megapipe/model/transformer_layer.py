@@ -16,8 +16,9 @@ from megapipe.parallel.random import RNGTracker
 from megapipe.parallel.state import Group
 
 
-def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
-                     p: float, training: bool) -> torch.Tensor:
+def bias_dropout_add(
+    x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, p: float, training: bool
+) -> torch.Tensor:
     """residual + dropout(x + bias): the fusion point for a fused kernel later."""
     if bias is not None:
         x = x + bias
@@ -27,8 +28,9 @@ def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch
 
 
 class TransformerLayer(torch.nn.Module):
-    def __init__(self, config: ModelConfig, tp: Group, rng: RNGTracker, *,
-                 sequence_parallel: bool) -> None:
+    def __init__(
+        self, config: ModelConfig, tp: Group, rng: RNGTracker, *, sequence_parallel: bool
+    ) -> None:
         super().__init__()
         self.hidden_dropout = config.hidden_dropout
         # Megatron scales the init of layers that write into the residual stream.
@@ -36,8 +38,9 @@ class TransformerLayer(torch.nn.Module):
         sp = sequence_parallel and tp.size > 1
         eps = config.layernorm_epsilon
         self.input_layernorm = build_norm(config.normalization, config.hidden_size, eps, sp)
-        self.self_attention = SelfAttention(config, tp, rng, output_init_std=output_std,
-                                            sequence_parallel=sp)
+        self.self_attention = SelfAttention(
+            config, tp, rng, output_init_std=output_std, sequence_parallel=sp
+        )
         self.pre_mlp_layernorm = build_norm(config.normalization, config.hidden_size, eps, sp)
         self.mlp = MLP(config, tp, output_init_std=output_std, sequence_parallel=sp)
 

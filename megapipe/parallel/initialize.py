@@ -14,8 +14,9 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def initialize_distributed(backend: str | None = None, timeout_minutes: float = 10.0
-                           ) -> torch.device:
+def initialize_distributed(
+    backend: str | None = None, timeout_minutes: float = 10.0
+) -> torch.device:
     """Initialise torch.distributed from RANK/WORLD_SIZE/MASTER_ADDR (set by torchrun).
 
     Without those variables (a plain `python pretrain_gpt.py`) this starts a one-rank world on
@@ -24,8 +25,9 @@ def initialize_distributed(backend: str | None = None, timeout_minutes: float = 
     """
     backend = backend or default_backend()
     if backend == "nccl" and not torch.cuda.is_available():
-        raise RuntimeError("--distributed-backend nccl needs CUDA, which is not available here; "
-                           "use gloo")
+        raise RuntimeError(
+            "--distributed-backend nccl needs CUDA, which is not available here; use gloo"
+        )
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))

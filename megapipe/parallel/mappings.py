@@ -39,8 +39,9 @@ def all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
 def split_along(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     """This rank's contiguous 1/size slice of `x` along `dim`."""
     if x.shape[dim] % group.size:
-        raise ValueError(f"dimension {dim} of size {x.shape[dim]} does not split over "
-                         f"{group.size} ranks")
+        raise ValueError(
+            f"dimension {dim} of size {x.shape[dim]} does not split over {group.size} ranks"
+        )
     return x.chunk(group.size, dim=dim)[group.rank].contiguous()
 
 
@@ -55,8 +56,10 @@ def all_gather_along(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
 def reduce_scatter_along(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     """Sum over the group, keeping this rank's 1/size slice along `dim`."""
     if x.shape[dim] % group.size:
-        raise ValueError(f"dimension {dim} of size {x.shape[dim]} does not reduce-scatter over "
-                         f"{group.size} ranks")
+        raise ValueError(
+            f"dimension {dim} of size {x.shape[dim]} does not reduce-scatter over "
+            f"{group.size} ranks"
+        )
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((x.shape[0] // group.size, *x.shape[1:]))
     _reduce_scatter_single(out, x, group=group.pg)

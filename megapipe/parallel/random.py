@@ -42,8 +42,9 @@ def _set_state(device: torch.device, state: torch.Tensor) -> None:
 class RNGTracker:
     """The default and tensor-parallel random streams of one rank."""
 
-    def __init__(self, seed: int, tp_rank: int = 0, pp_rank: int = 0,
-                 device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, seed: int, tp_rank: int = 0, pp_rank: int = 0, device: torch.device | str = "cpu"
+    ) -> None:
         self.device = torch.device(device)
         self.default_seed = seed + PIPELINE_SEED_OFFSET * pp_rank
         self.tensor_parallel_seed = self.default_seed + TENSOR_PARALLEL_SEED_OFFSET + tp_rank

@@ -121,8 +121,10 @@ class ParallelState:
         process group at all (nothing to communicate), which also keeps start-up fast.
         """
         if not dist.is_initialized():
-            raise RuntimeError("ParallelState.build needs torch.distributed initialised; "
-                               "use ParallelState.single() for one process")
+            raise RuntimeError(
+                "ParallelState.build needs torch.distributed initialised; "
+                "use ParallelState.single() for one process"
+            )
         world, me = dist.get_world_size(), dist.get_rank()
         layout = rank_layout(world, tensor_model_parallel_size, pipeline_model_parallel_size)
         mine: dict[str, Group] = {}
@@ -136,6 +138,7 @@ class ParallelState:
         return cls(world, me, device=torch.device(device), **mine)
 
     def describe(self) -> str:
-        return (f"rank {self.rank}: tp {self.tp_rank}/{self.tp.size} dp {self.dp_rank}/"
-                f"{self.dp.size} pp {self.pp_rank}/{self.pp.size}")
-
+        return (
+            f"rank {self.rank}: tp {self.tp_rank}/{self.tp.size} dp {self.dp_rank}/"
+            f"{self.dp.size} pp {self.pp_rank}/{self.pp.size}"
+        )
