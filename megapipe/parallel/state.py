@@ -78,8 +78,8 @@ class ParallelState:
     pp: Group
     dp: Group
     model_parallel: Group
-    embedding: Group
-    position_embedding: Group
+    embedding: Group | None  # None on middle pipeline stages, which hold no embedding
+    position_embedding: Group | None  # None off the first stage
     device: torch.device
 
     @property
@@ -127,7 +127,7 @@ class ParallelState:
             )
         world, me = dist.get_world_size(), dist.get_rank()
         layout = rank_layout(world, tensor_model_parallel_size, pipeline_model_parallel_size)
-        mine: dict[str, Group] = {}
+        mine: dict[str, Group | None] = dict.fromkeys(GROUP_KINDS)
         for kind in GROUP_KINDS:
             for ranks in layout[kind]:
                 pg = dist.new_group(ranks) if len(ranks) > 1 else None

@@ -1,0 +1,90 @@
+"""Process groups: Megatron's tp-dp-pp rank order, every group a partition, real gloo groups."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given
+from hypothesis import strategies as st
+
+from megapipe.config import ConfigError
+from megapipe.parallel.state import GROUP_KINDS, ParallelState, rank_layout
+from megapipe.testing import run_distributed
+
+
+def test_layout_of_eight_ranks_matches_megatron_order():
+    g = rank_layout(8, tp=2, pp=2)
+    assert g["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert g["dp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert g["pp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert g["model_parallel"] == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert g["embedding"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert g["position_embedding"] == [[0], [1], [2], [3]]
+
+
+def test_embedding_group_is_first_and_last_stage():
+    g = rank_layout(4, tp=1, pp=4)
+    assert g["pp"] == [[0, 1, 2, 3]]
+    assert g["embedding"] == [[0, 3]]
+    assert rank_layout(2, tp=2, pp=1)["embedding"] == [[0], [1]]
+
+
+@given(tp=st.integers(1, 4), pp=st.integers(1, 4), dp=st.integers(1, 4))
+def test_every_kind_partitions_the_world(tp, pp, dp):
+    world = tp * pp * dp
+    g = rank_layout(world, tp, pp)
+    sizes = {"tp": tp, "pp": pp, "dp": dp, "model_parallel": tp * pp}
+    for kind, size in sizes.items():
+        assert sorted(r for grp in g[kind] for r in grp) == list(range(world)), kind
+        assert all(len(grp) == size for grp in g[kind]), kind
+    for grp in g["tp"]:  # TP neighbours are adjacent ranks (one node, NVLink)
+        assert grp == list(range(grp[0], grp[0] + tp))
+    for rank in range(world):  # rank = tp_rank + tp * (dp_rank + dp * pp_rank)
+        t, rest = rank % tp, rank // tp
+        d, p = rest % dp, rest // dp
+        assert g["tp"][p * dp + d][t] == rank
+        assert g["pp"][d * tp + t][p] == rank
+        assert g["dp"][p * tp + t][d] == rank
+
+
+@pytest.mark.parametrize("world,tp,pp", [(6, 4, 1), (8, 3, 1), (8, 2, 3), (4, 0, 1)])
+def test_impossible_layout_names_the_sizes(world, tp, pp):
+    with pytest.raises(ConfigError) as err:
+        rank_layout(world, tp, pp)
+    message = str(err.value)
+    assert f"world size ({world})" in message
+    assert f"--tensor-model-parallel-size ({tp})" in message
+    assert f"--pipeline-model-parallel-size ({pp})" in message
+
+
+def _groups_reduce_over_the_right_ranks(rank, world, tp, pp):
+    state = ParallelState.build(tp, pp)
+    sums = {}
+    for kind in GROUP_KINDS:
+        group = getattr(state, kind)
+        if group is None:
+            sums[kind] = None
+            continue
+        value = torch.tensor([float(rank)])
+        if group.pg is not None:
+            dist.all_reduce(value, group=group.pg)
+        sums[kind] = (group.ranks, group.rank, value.item())
+    return sums
+
+
+def test_built_groups_communicate_within_their_members():
+    results = run_distributed(_groups_reduce_over_the_right_ranks, 8, 2, 2)
+    layout = rank_layout(8, 2, 2)
+    for rank, sums in enumerate(results):
+        member_of = {kind for kind in GROUP_KINDS if any(rank in g for g in layout[kind])}
+        assert {kind for kind in GROUP_KINDS if sums[kind] is not None} == member_of
+        for kind in member_of:
+            ranks, index, total = sums[kind]
+            assert list(ranks) in layout[kind]
+            assert ranks[index] == rank
+            assert total == sum(ranks), (kind, rank)
+
+
+def test_single_rank_state_needs_no_process_group():
+    state = ParallelState.single()
+    assert state.tp.size == state.pp.size == state.dp.size == 1
+    assert state.is_first_stage and state.is_last_stage
