@@ -1,0 +1,302 @@
+"""Megatron-LM command-line flags -> validated configs. The only module that knows flag names.
+
+`parse_args` never exits (except for `-h`): every problem, from an unknown flag to heads that do
+not split over TP, is a `ConfigError` whose one-line message names the flags and their values,
+so `pretrain_gpt.py` can print it identically on every rank before any process group exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import warnings
+from collections.abc import Sequence
+from typing import NoReturn
+
+import torch
+
+from megapipe.config import (
+    ConfigError,
+    Configs,
+    ModelConfig,
+    ParallelConfig,
+    TrainingConfig,
+    validate_configs,
+)
+from megapipe.parallel.initialize import default_backend
+
+PROG = "pretrain_gpt.py"
+NO_DATASET = "no dataset: pass --mock-data (real datasets arrive with the data pipeline)"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises ConfigError instead of printing usage and exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser, with Megatron-LM's flag names, defaults and help texts."""
+    parser = _Parser(
+        prog=PROG,
+        description="Pre-train a GPT model with tensor, pipeline and data parallelism "
+        "(Megatron-LM flags). Launch with `torchrun --nproc_per_node N pretrain_gpt.py ...` "
+        "or, for one rank, `python pretrain_gpt.py ...`.",
+        allow_abbrev=False,
+    )
+    _add_network_args(parser.add_argument_group("network size"))
+    _add_regularization_args(parser.add_argument_group("regularization"))
+    _add_distributed_args(parser.add_argument_group("distributed"))
+    _add_training_args(parser.add_argument_group("training"))
+    _add_data_args(parser.add_argument_group("data"))
+    return parser
+
+
+def _add_network_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--num-layers", type=int, required=True, help="Number of transformer layers."
+    )
+    group.add_argument("--hidden-size", type=int, required=True, help="Transformer hidden size.")
+    group.add_argument(
+        "--ffn-hidden-size",
+        type=int,
+        default=None,
+        help="Transformer feed-forward network hidden size. Default: 4 x hidden size, or "
+        "int(8 x hidden size / 3 / 64) x 64 with --swiglu (as Megatron-LM).",
+    )
+    group.add_argument(
+        "--num-attention-heads", type=int, required=True, help="Number of attention heads."
+    )
+    group.add_argument(
+        "--group-query-attention",
+        action="store_true",
+        help="Use grouped-query attention (keys and values shared by --num-query-groups groups).",
+    )
+    group.add_argument(
+        "--num-query-groups",
+        type=int,
+        default=None,
+        help="Number of query groups; only takes effect with --group-query-attention. "
+        "Default with it: 1 (multi-query attention), as Megatron-LM.",
+    )
+    group.add_argument(
+        "--seq-length", type=int, required=True, help="Maximum sequence length to process."
+    )
+    group.add_argument(
+        "--max-position-embeddings",
+        type=int,
+        default=None,
+        help="Maximum number of position embeddings. Default: --seq-length.",
+    )
+    group.add_argument(
+        "--position-embedding-type",
+        default="learned_absolute",
+        help="Position embedding type: learned_absolute, rope or none. Default: learned_absolute.",
+    )
+    group.add_argument(
+        "--rotary-base", type=int, default=10000, help="Base of rotary embeddings. Default: 10000."
+    )
+    group.add_argument(
+        "--normalization",
+        default="LayerNorm",
+        help="Normalization layer: LayerNorm or RMSNorm. Default: LayerNorm.",
+    )
+    group.add_argument(
+        "--layernorm-epsilon", type=float, default=1e-5, help="Norm epsilon. Default: 1e-5."
+    )
+    group.add_argument(
+        "--swiglu", action="store_true", help="Use gated linear units and SiLU activation (SwiGLU)."
+    )
+    group.add_argument(
+        "--untie-embeddings-and-output-weights",
+        action="store_true",
+        help="Untie the input word embedding and the output layer weights.",
+    )
+    group.add_argument(
+        "--disable-bias-linear",
+        action="store_false",
+        dest="add_bias_linear",
+        help="Disable bias in the linear layers.",
+    )
+    group.add_argument(
+        "--make-vocab-size-divisible-by",
+        type=int,
+        default=128,
+        help="Pad the vocab size to be divisible by this value (times the tensor-model-parallel "
+        "size), for computation efficiency. Default: 128.",
+    )
+    group.add_argument(
+        "--init-method-std",
+        type=float,
+        default=0.02,
+        help="Standard deviation of the zero-mean normal weight initialisation. Default: 0.02.",
+    )
+
+
+def _add_regularization_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--attention-dropout",
+        type=float,
+        default=0.1,
+        help="Post attention dropout probability. Default: 0.1.",
+    )
+    group.add_argument(
+        "--hidden-dropout",
+        type=float,
+        default=0.1,
+        help="Dropout probability for hidden state transformer. Default: 0.1.",
+    )
+
+
+def _add_distributed_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--tensor-model-parallel-size",
+        type=int,
+        default=1,
+        help="Degree of tensor model parallelism. Default: 1.",
+    )
+    group.add_argument(
+        "--pipeline-model-parallel-size",
+        type=int,
+        default=1,
+        help="Degree of pipeline model parallelism. Default: 1 (larger values are not available "
+        "yet).",
+    )
+    group.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="Enable sequence parallelism (needs --tensor-model-parallel-size > 1).",
+    )
+    group.add_argument(
+        "--distributed-backend",
+        default=None,
+        help="Which backend to use for distributed training: nccl or gloo. "
+        "Default: nccl when CUDA is available, else gloo.",
+    )
+
+
+def _add_training_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--micro-batch-size",
+        type=int,
+        required=True,
+        help="Batch size per model instance (local batch size). Global batch size is local "
+        "batch size times data-parallel size times number of micro batches.",
+    )
+    group.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=None,
+        help="Training batch size. Default: --micro-batch-size x data-parallel size; a larger "
+        "value means gradient accumulation over micro-batches.",
+    )
+    group.add_argument(
+        "--train-iters", type=int, required=True, help="Total number of iterations to train."
+    )
+    group.add_argument(
+        "--lr", type=float, required=True, help="Learning rate (constant for now; Adam)."
+    )
+    group.add_argument(
+        "--seed",
+        type=int,
+        default=1234,
+        help="Random seed for python, numpy, torch. Default: 1234.",
+    )
+    group.add_argument(
+        "--log-interval",
+        type=int,
+        default=100,
+        help="Report loss and timing interval. Default: 100.",
+    )
+
+
+def _add_data_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--mock-data",
+        action="store_true",
+        help="Train on synthetic data (needs --vocab-size); currently the only data source.",
+    )
+    group.add_argument(
+        "--vocab-size", type=int, default=None, help="Size of the vocabulary (with --mock-data)."
+    )
+
+
+def parse_args(argv: Sequence[str] | None, world_size: int) -> Configs:
+    """Parse Megatron-LM flags (`sys.argv[1:]` when `argv` is None) and validate them.
+
+    Raises ConfigError naming the offending flags and values; warns (UserWarning) for settings
+    Megatron-LM accepts but ignores. The warnings are also kept in `Configs.warnings`.
+    """
+    args = build_parser().parse_args(argv)
+    notes: list[str] = []
+
+    if args.pipeline_model_parallel_size != 1:
+        raise ConfigError(
+            f"--pipeline-model-parallel-size ({args.pipeline_model_parallel_size}): pipeline "
+            "parallelism is not available yet; use --pipeline-model-parallel-size 1"
+        )
+    if not args.mock_data:
+        raise ConfigError(NO_DATASET)
+    if args.vocab_size is None:
+        raise ConfigError("--mock-data needs --vocab-size")
+
+    num_query_groups = None
+    if args.group_query_attention:
+        num_query_groups = 1 if args.num_query_groups is None else args.num_query_groups
+    elif args.num_query_groups is not None:
+        notes.append(
+            f"--num-query-groups ({args.num_query_groups}) has no effect without "
+            "--group-query-attention; using multi-head attention"
+        )
+
+    backend = args.distributed_backend or default_backend()
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ConfigError(
+            "--distributed-backend nccl needs CUDA, which is not available here; use gloo"
+        )
+
+    model = ModelConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        vocab_size=args.vocab_size,
+        seq_length=args.seq_length,
+        max_position_embeddings=args.max_position_embeddings,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_query_groups=num_query_groups,
+        position_embedding_type=args.position_embedding_type,
+        rotary_base=args.rotary_base,
+        normalization=args.normalization,
+        layernorm_epsilon=args.layernorm_epsilon,
+        swiglu=args.swiglu,
+        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+        add_bias_linear=args.add_bias_linear,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        init_method_std=args.init_method_std,
+        attention_dropout=args.attention_dropout,
+        hidden_dropout=args.hidden_dropout,
+    )
+    parallel = ParallelConfig(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        distributed_backend=backend,
+    )
+    parallel.validate(world_size)  # before the DP size below is computed from it
+    global_batch_size = args.global_batch_size
+    if global_batch_size is None:  # Megatron: one micro-batch per DP rank, no accumulation
+        global_batch_size = args.micro_batch_size * parallel.data_parallel_size(world_size)
+    training = TrainingConfig(
+        micro_batch_size=args.micro_batch_size,
+        global_batch_size=global_batch_size,
+        train_iters=args.train_iters,
+        lr=args.lr,
+        seed=args.seed,
+        log_interval=args.log_interval,
+        mock_data=args.mock_data,
+    )
+    configs = validate_configs(model, parallel, training, world_size)
+    for note in notes:
+        warnings.warn(note, stacklevel=2)
+    return dataclasses.replace(configs, warnings=tuple(notes) + configs.warnings)

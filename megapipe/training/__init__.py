@@ -1,0 +1,6 @@
+"""The training loop and what it reports: Megatron's log lines, interval statistics."""
+
+from megapipe.training.step import StepResult, train_step
+from megapipe.training.train import build_model, train
+
+__all__ = ["StepResult", "build_model", "train", "train_step"]

@@ -1,0 +1,17 @@
+"""Which rank prints: Megatron's print_rank_0 and print_rank_last, with the state passed in."""
+
+from __future__ import annotations
+
+from megapipe.parallel.state import ParallelState
+
+
+def print_rank_0(state: ParallelState, message: str) -> None:
+    """Print once per job, from global rank 0 (start-up information)."""
+    if state.rank == 0:
+        print(message, flush=True)
+
+
+def print_rank_last(state: ParallelState, message: str) -> None:
+    """Print once per job, from the last global rank: it holds the last pipeline stage's loss."""
+    if state.rank == state.world_size - 1:
+        print(message, flush=True)

@@ -1,0 +1,59 @@
+"""Pre-train a GPT model: `torchrun --nproc_per_node N pretrain_gpt.py <Megatron-LM flags>`.
+
+Thin on purpose: parse and validate -> join the process group -> build groups -> train.
+Validation runs before any process group exists, identically on every rank, so a bad flag makes
+every rank exit with status 2 and one line on stderr instead of a hang or a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from collections.abc import Sequence
+
+import torch.distributed as dist
+
+from megapipe.arguments import PROG, parse_args
+from megapipe.config import ConfigError
+from megapipe.parallel import ParallelState, initialize_distributed
+from megapipe.training import train
+
+
+def _world_size() -> int:
+    """The job's size as torchrun announces it; 1 for a plain `python pretrain_gpt.py`."""
+    value = os.environ.get("WORLD_SIZE", "1")
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"environment variable WORLD_SIZE={value!r} is not an integer") from None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one rank of the job; returns the process exit status."""
+    try:
+        world_size = _world_size()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # reported below, once, from rank 0
+            configs = parse_args(argv, world_size)
+    except ConfigError as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr, flush=True)
+        return 2
+    if os.environ.get("RANK", "0") == "0":
+        for note in configs.warnings:
+            print(f"{PROG}: warning: {note}", file=sys.stderr, flush=True)
+
+    parallel = configs.parallel
+    device = initialize_distributed(parallel.distributed_backend)
+    try:
+        state = ParallelState.build(
+            parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size, device
+        )
+        train(configs, state)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""The training loop in-process on forked gloo ranks: layouts the CLI tests do not launch.
+
+Each layout trains the same tiny GPT on the same mock global batches and must report the same
+per-iteration loss and grad norm as one rank does (fp32 rounding apart).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+import pytest
+import torch._dynamo  # noqa: F401  (see below)
+
+from megapipe.arguments import parse_args
+from megapipe.parallel import ParallelState
+from megapipe.testing import run_distributed
+from megapipe.training import train
+
+# torch.optim.Optimizer.__init__ imports torch._dynamo on first use (seconds of CPU); importing it
+# here, once, lets every forked rank inherit it instead of paying for it again.
+
+TINY = [
+    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+    "--seq-length", "16", "--mock-data", "--vocab-size", "256",
+    "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "4", "--lr", "3e-3",
+    "--attention-dropout", "0", "--hidden-dropout", "0", "--log-interval", "2",
+]  # fmt: skip
+
+
+def _train(rank: int, world_size: int, extra: list[str]) -> tuple[list[float], list[float], str]:
+    configs = parse_args(TINY + extra, world_size)
+    parallel = configs.parallel
+    state = ParallelState.build(
+        parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    )
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        results = train(configs, state)
+    return [r.lm_loss for r in results], [r.grad_norm for r in results], out.getvalue()
+
+
+def _single(extra: list[str]) -> tuple[list[float], list[float], str]:
+    return run_distributed(_train, 1, extra, timeout=120)[0]
+
+
+@pytest.fixture(scope="module")
+def reference() -> tuple[list[float], list[float], str]:
+    return _single([])
+
+
+@pytest.fixture(scope="module")
+def data_parallel() -> list[tuple[list[float], list[float], str]]:
+    """DP=2: two micro-batches of the global batch of 8 per rank, where one rank runs four."""
+    return run_distributed(_train, 2, [], timeout=120)
+
+
+def _assert_matches(results, losses: list[float], norms: list[float]) -> None:
+    for rank_losses, rank_norms, _ in results:  # every rank reports the global values
+        assert rank_losses == pytest.approx(losses, rel=1e-5)
+        assert rank_norms == pytest.approx(norms, rel=1e-4)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+        ["--tensor-model-parallel-size", "2", "--group-query-attention", "--num-query-groups", "2"],
+    ],
+    ids=["tp2-sp", "tp2-gqa"],
+)
+def test_tensor_parallel_layouts_match_one_rank(reference, extra: list[str]) -> None:
+    gqa = "--group-query-attention" in extra
+    losses, norms, _ = reference if not gqa else _single(extra[2:])
+    if gqa:
+        assert losses != pytest.approx(reference[0], rel=1e-5)  # GQA really changed the model
+    _assert_matches(run_distributed(_train, 2, extra, timeout=120), losses, norms)
+
+
+def test_gradient_accumulation_over_data_parallel_matches_one_rank(
+    reference, data_parallel
+) -> None:
+    losses, norms, _ = reference
+    _assert_matches(data_parallel, losses, norms)
+
+
+def test_log_interval_averages_losses_and_only_the_last_rank_prints(
+    reference, data_parallel
+) -> None:
+    losses, _, single_out = reference
+    logged = [float(line.split("lm loss: ")[1].split(" ")[0]) for line in single_out.splitlines()
+              if line.startswith(" iteration")]  # fmt: skip
+    # --log-interval 2 over 4 iterations: two lines, each the mean of its two iterations.
+    expected = [(losses[0] + losses[1]) / 2, (losses[2] + losses[3]) / 2]
+    assert logged == pytest.approx(expected, rel=1e-6)
+    first, last = (out for _, _, out in data_parallel)
+    assert " iteration" not in first
+    assert [line[:12] for line in last.splitlines()] == [" iteration  "] * 2
