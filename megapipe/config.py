@@ -135,8 +135,22 @@ class ParallelConfig:
 
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int = 1  # model chunks per pipeline rank
+    pipeline_schedule: str | None = None  # None: 1f1b, or interleaved-1f1b with virtual stages
+    pipeline_partition: str = "uniform"  # or "balanced"
+    decoder_first_pipeline_num_layers: int | None = None
+    decoder_last_pipeline_num_layers: int | None = None
+    pipeline_p2p_timeout: float = 300.0  # seconds before a stage gives up on its neighbour
+    pipeline_trace: str | None = None  # Chrome-trace JSON of the measured schedule
     sequence_parallel: bool = False
     distributed_backend: str | None = None  # None: nccl when CUDA is present, else gloo
+
+    @property
+    def schedule(self) -> str:
+        """The pipeline schedule to run (Megatron picks interleaving from virtual stages)."""
+        if self.pipeline_schedule is not None:
+            return self.pipeline_schedule
+        return "interleaved-1f1b" if self.virtual_pipeline_model_parallel_size > 1 else "1f1b"
 
     def data_parallel_size(self, world_size: int) -> int:
         model_parallel = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
@@ -237,6 +251,30 @@ def validate_configs(
         f"--num-layers ({model.num_layers})",
     )
     training.validate(parallel.data_parallel_size(world_size))
+    _validate_pipeline(
+        model, parallel, training.num_microbatches(parallel.data_parallel_size(world_size))
+    )
     for note in notes:
         warnings.warn(note, stacklevel=2)
     return Configs(model, parallel, training, world_size, tuple(notes))
+
+
+def _validate_pipeline(model: ModelConfig, parallel: ParallelConfig, num_microbatches: int) -> None:
+    """The schedule can run these micro-batches, and the layers split over the stages."""
+    from megapipe.pipeline.partition import partition_layers
+    from megapipe.pipeline.schedules import validate_schedule
+
+    pp, v = parallel.pipeline_model_parallel_size, parallel.virtual_pipeline_model_parallel_size
+    if v > 1 and pp == 1:
+        raise ConfigError(
+            f"virtual pipeline stages ({v} per rank) need --pipeline-model-parallel-size > 1"
+        )
+    validate_schedule(parallel.schedule, pp, v, num_microbatches)
+    partition_layers(
+        model,
+        pp,
+        v,
+        method=parallel.pipeline_partition,
+        first=parallel.decoder_first_pipeline_num_layers,
+        last=parallel.decoder_last_pipeline_num_layers,
+    )

@@ -117,10 +117,71 @@ def test_world_size_not_divisible_by_tensor_times_pipeline_parallel() -> None:
     assert_names(message, "world size (3)", "--tensor-model-parallel-size (2)")
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_pipeline_parallelism_is_not_available_yet(world_size: int) -> None:
-    message = error(world_size, pipeline_model_parallel_size=2)
-    assert_names(message, "--pipeline-model-parallel-size (2)", "not available yet")
+def test_layers_that_do_not_split_over_pipeline_stages() -> None:
+    message = error(4, num_layers=6, pipeline_model_parallel_size=4)
+    assert_names(message, "--num-layers (6)", "4 pipeline stages")
+
+
+def test_first_and_last_stage_layers_that_do_not_add_up() -> None:
+    message = error(
+        4, num_layers=10, pipeline_model_parallel_size=4, decoder_first_pipeline_num_layers=3
+    )
+    assert_names(
+        message,
+        "--num-layers (10)",
+        "--decoder-first-pipeline-num-layers (3)",
+        "7 layers",
+        "3 remaining stages",
+    )
+
+
+def test_virtual_stages_need_pipeline_parallelism() -> None:
+    message = error(1, num_layers=4, num_virtual_stages_per_pipeline_rank=2)
+    assert_names(message, "virtual pipeline stages (2 per rank)", "--pipeline-model-parallel-size")
+
+
+def test_virtual_stage_size_must_divide_the_layers() -> None:
+    message = error(
+        2, num_layers=6, pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=2
+    )
+    assert_names(
+        message,
+        "--num-layers (6)",
+        "--pipeline-model-parallel-size (2)",
+        "--num-layers-per-virtual-pipeline-stage (2)",
+    )
+
+
+def test_interleaving_needs_a_multiple_of_pipeline_size_micro_batches() -> None:
+    message = error(
+        4,
+        num_layers=8,
+        pipeline_model_parallel_size=4,
+        num_virtual_stages_per_pipeline_rank=2,
+        global_batch_size=12,
+    )
+    assert_names(message, "micro-batches (6)", "--pipeline-model-parallel-size (4)", "4 or 8")
+
+
+def test_unknown_pipeline_schedule() -> None:
+    assert_names(
+        error(2, pipeline_model_parallel_size=2, pipeline_schedule="zigzag"), "'zigzag'", "1f1b"
+    )
+
+
+def test_pipeline_flags_make_configs() -> None:
+    configs = parse_args(
+        argv(
+            num_layers=8,
+            pipeline_model_parallel_size=2,
+            num_layers_per_virtual_pipeline_stage=2,
+            global_batch_size=4,
+        ),
+        2,
+    )
+    assert configs.parallel.virtual_pipeline_model_parallel_size == 2
+    assert configs.parallel.schedule == "interleaved-1f1b"
+    assert parse_args(argv(pipeline_model_parallel_size=2), 2).parallel.schedule == "1f1b"
 
 
 def test_missing_mock_data_means_no_dataset() -> None:

@@ -67,7 +67,7 @@ def one_step(model: GPTModel, state: ParallelState, config: ModelConfig):
         logits = model(tokens=tokens)
     loss = masked_mean(model(tokens=tokens, labels=labels), loss_mask)
     loss.backward()
-    finalize_model_grads(model.parameters(), state)
+    finalize_model_grads([model], state)
     return logits, loss.detach(), global_grad_norm(model.parameters(), state)
 
 

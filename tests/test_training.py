@@ -96,3 +96,40 @@ def test_log_interval_averages_losses_and_only_the_last_rank_prints(
     first, last = (out for _, _, out in data_parallel)
     assert " iteration" not in first
     assert [line[:12] for line in last.splitlines()] == [" iteration  "] * 2
+
+
+@pytest.mark.parametrize(
+    "world,extra",
+    [
+        (2, ["--pipeline-model-parallel-size", "2"]),
+        (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "gpipe"]),
+        (
+            4,
+            [
+                "--pipeline-model-parallel-size",
+                "2",
+                "--tensor-model-parallel-size",
+                "2",
+                "--sequence-parallel",
+            ],
+        ),
+        (4, ["--pipeline-model-parallel-size", "2"]),  # and DP=2
+    ],
+    ids=["pp2-1f1b", "pp2-gpipe", "tp2-pp2-sp", "pp2-dp2"],
+)
+def test_pipeline_layouts_match_one_rank(reference, world: int, extra: list[str]) -> None:
+    _assert_matches(run_distributed(_train, world, extra, timeout=120), *reference[:2])
+
+
+def test_interleaved_pipeline_matches_one_rank() -> None:
+    four_layers = ["--num-layers", "4"]
+    losses, norms, _ = _single(four_layers)
+    interleaved = four_layers + [
+        "--pipeline-model-parallel-size",
+        "2",
+        "--num-layers-per-virtual-pipeline-stage",
+        "1",
+    ]
+    results = run_distributed(_train, 2, interleaved, timeout=120)
+    _assert_matches(results, losses, norms)
+    assert "pipeline layer map" in results[0][2]  # rank 0 printed which layers each chunk owns

@@ -1,15 +1,18 @@
 """Make every rank's gradients final before the optimizer step.
 
-Two reductions happen here, once per step after the last micro-batch's backward:
+Three reductions happen here, once per step after the last micro-batch's backward:
 * sequence-parallel replicas (norm weights, row-parallel biases) saw only this rank's sequence
   shard, so their gradients are summed over the TP group;
+* with tied input/output embeddings split over pipeline stages, the first stage's word
+  embedding and the last stage's copy each hold part of the gradient: summed over the
+  embedding group, so both copies take the same optimizer step and stay identical;
 * gradients are averaged over the data-parallel group (one coalesced all-reduce; the bucketed,
   backward-overlapped version replaces this with the data-parallel work).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -18,8 +21,10 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from megapipe.parallel.state import Group, ParallelState
 
 
-def _all_reduce_coalesced(grads: list[torch.Tensor], group: Group, scale: float = 1.0) -> None:
-    if not grads or group.size == 1:
+def _all_reduce_coalesced(
+    grads: list[torch.Tensor], group: Group | None, scale: float = 1.0
+) -> None:
+    if not grads or group is None or group.size == 1:
         return
     flat = _flatten_dense_tensors(grads)
     dist.all_reduce(flat, group=group.pg)
@@ -29,13 +34,19 @@ def _all_reduce_coalesced(grads: list[torch.Tensor], group: Group, scale: float 
         grad.copy_(reduced)
 
 
-def finalize_model_grads(params: Iterable[torch.nn.Parameter], state: ParallelState) -> None:
-    """Sum sequence-parallel grads over TP, then average all grads over DP (in place)."""
-    with_grad = [p for p in params if p.grad is not None]
+def tied_embedding_grads(chunks: Sequence[torch.nn.Module]) -> list[torch.Tensor]:
+    """Gradients of the tied word-embedding copies this rank holds (first/last stage)."""
+    shared = (getattr(chunk, "shared_word_embedding", lambda: None)() for chunk in chunks)
+    return [p.grad for p in shared if p is not None and p.grad is not None]
+
+
+def finalize_model_grads(chunks: Sequence[torch.nn.Module], state: ParallelState) -> None:
+    """Sum SP grads over TP, tied-embedding grads over the embedding group, average over DP."""
+    params = [p for chunk in chunks for p in chunk.parameters() if p.grad is not None]
     sequence_parallel = [
-        p.grad
-        for p in with_grad
-        if getattr(p, "meta", None) is not None and p.meta.sequence_parallel
+        p.grad for p in params if getattr(p, "meta", None) is not None and p.meta.sequence_parallel
     ]
     _all_reduce_coalesced(sequence_parallel, state.tp)
-    _all_reduce_coalesced([p.grad for p in with_grad], state.dp, 1.0 / state.dp.size)
+    if state.pp.size > 1:
+        _all_reduce_coalesced(tied_embedding_grads(chunks), state.embedding)
+    _all_reduce_coalesced([p.grad for p in params], state.dp, 1.0 / state.dp.size)

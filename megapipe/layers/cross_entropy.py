@@ -15,14 +15,21 @@ from megapipe.parallel.state import Group
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, group: Group, start: int):
+    def forward(
+        ctx, logits: torch.Tensor, target: torch.Tensor, group: Group, start: int, valid: int
+    ):
         logits = logits.float()
-        row_max = logits.max(dim=-1).values
+        local_vocab = logits.shape[-1]
+        if valid > 0:
+            row_max = logits[..., :valid].max(dim=-1).values
+        else:  # this rank holds only padding rows
+            row_max = logits.new_full(logits.shape[:-1], float("-inf"))
         if group.size > 1:
             dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group.pg)
         shifted = logits - row_max.unsqueeze(-1)
+        if valid < local_vocab:
+            shifted[..., valid:] = float("-inf")  # padding never takes probability mass
 
-        local_vocab = logits.shape[-1]
         outside = (target < start) | (target >= start + local_vocab)
         local_target = (target - start).masked_fill(outside, 0)
         target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
@@ -47,18 +54,27 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         hit = (~outside).to(grad.dtype).unsqueeze(-1)
         grad.scatter_add_(-1, local_target.unsqueeze(-1), -hit)
         grad.mul_(grad_loss.unsqueeze(-1))
-        return grad, None, None, None
+        return grad, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
-    logits: torch.Tensor, target: torch.Tensor, group: Group, vocab_start: int = 0
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    group: Group,
+    vocab_start: int = 0,
+    vocab_size: int | None = None,
 ) -> torch.Tensor:
     """Per-token loss, same shape as `target`.
 
     logits: [..., vocab/tp], this rank's slice starting at token id `vocab_start`.
     target: [...] token ids in the full vocabulary. Computed in fp32 whatever the logits' dtype.
+    vocab_size: the real vocabulary; logits of padding ids (>= vocab_size) are excluded from
+        the softmax. Megatron lets them compete, which makes the model depend on how much
+        padding the TP size needs; excluding them keeps every layout the same model.
     """
-    return _VocabParallelCrossEntropy.apply(logits, target, group, vocab_start)
+    local = logits.shape[-1]
+    valid = local if vocab_size is None else max(0, min(local, vocab_size - vocab_start))
+    return _VocabParallelCrossEntropy.apply(logits, target, group, vocab_start, valid)
 
 
 def masked_mean(per_token_loss: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:

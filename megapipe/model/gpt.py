@@ -200,7 +200,8 @@ class GPTModel(torch.nn.Module):
 
         Returns hidden states [s, b, h] before the last stage; on the last stage the
         vocabulary-parallel logits [s, b, vocab/tp], or the per-token loss [b, s] when
-        `labels` [b, s] are given.
+        `labels` [b, s] are given. Logits of padding ids (>= vocab_size) are returned as
+        computed but never enter the loss; samplers must ignore them too.
         """
         if self.pre_process:
             hidden_states = self.embedding(tokens, position_ids)
@@ -210,7 +211,9 @@ class GPTModel(torch.nn.Module):
         logits, _ = self.output_layer(x)
         if labels is None:
             return logits
-        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.tp, self.vocab_start)
+        loss = vocab_parallel_cross_entropy(
+            logits, labels.t(), self.tp, self.vocab_start, self.config.vocab_size
+        )
         return loss.t()
 
     def shared_word_embedding(self) -> torch.nn.Parameter | None:

@@ -1,6 +1,6 @@
 """The training loop and what it reports: Megatron's log lines, interval statistics."""
 
 from megapipe.training.step import StepResult, train_step
-from megapipe.training.train import build_model, train
+from megapipe.training.train import build_model_chunks_for, train
 
-__all__ = ["StepResult", "build_model", "train", "train_step"]
+__all__ = ["StepResult", "build_model_chunks_for", "train", "train_step"]

@@ -1,13 +1,16 @@
-"""One training iteration: gradient accumulation over micro-batches, then one optimizer step.
+"""One training iteration: the pipeline schedule over all micro-batches, then one optimizer step.
 
-Each micro-batch's mean token loss is divided by the number of micro-batches before its
-backward, so the accumulated gradient is that of the mean over the rank's share of the global
-batch; finalize_model_grads then averages it over data-parallel ranks, giving the gradient of
-the global batch's mean loss whatever the layout.
+The schedule's executor runs every micro-batch's forward and backward (with PP=1 it is plain
+gradient accumulation). Each micro-batch's mean token loss is divided by the number of
+micro-batches before its backward, so the accumulated gradient is that of the mean over the
+rank's share of the global batch; finalize_model_grads then sums sequence-parallel and tied-
+embedding gradients and averages over data-parallel ranks, giving the gradient of the global
+batch's mean loss whatever the layout.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -18,9 +21,8 @@ from megapipe.config import Configs
 from megapipe.data.mock import TrainingBatch
 from megapipe.data.sampler import micro_batch_range
 from megapipe.distributed import finalize_model_grads, global_grad_norm
-from megapipe.layers.cross_entropy import masked_mean
-from megapipe.model.gpt import GPTModel
 from megapipe.parallel.state import ParallelState
+from megapipe.pipeline.executor import PipelineExecutor
 
 
 class BatchSource(Protocol):
@@ -39,8 +41,9 @@ class StepResult:
 
 
 def train_step(
-    model: GPTModel,
+    chunks: Sequence[torch.nn.Module],
     optimizer: torch.optim.Optimizer,
+    executor: PipelineExecutor,
     data: BatchSource,
     configs: Configs,
     state: ParallelState,
@@ -48,9 +51,8 @@ def train_step(
 ) -> StepResult:
     """Run iteration `iteration` (0-based) on this rank's slice of its global batch."""
     training = configs.training
-    num_microbatches = training.num_microbatches(state.dp.size)
-    loss_sum = torch.zeros((), dtype=torch.float32, device=state.device)
-    for micro_batch in range(num_microbatches):
+
+    def get_batch(micro_batch: int) -> TrainingBatch:
         indices = micro_batch_range(
             iteration,
             micro_batch,
@@ -59,20 +61,24 @@ def train_step(
             data_parallel_rank=state.dp.rank,
             data_parallel_size=state.dp.size,
         )
-        batch = data.batch(indices).to(state.device)
-        per_token_loss = model(tokens=batch.tokens, labels=batch.labels)
-        loss = masked_mean(per_token_loss, batch.loss_mask)
-        (loss / num_microbatches).backward()
-        loss_sum += loss.detach().float()
+        return data.batch(indices).to(state.device)
 
-    params = list(model.parameters())
-    finalize_model_grads(params, state)
-    grad_norm = global_grad_norm(params, state)
+    losses = executor.run(get_batch)
+    finalize_model_grads(chunks, state)
+    grad_norm = global_grad_norm([p for c in chunks for p in c.parameters()], state)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    return StepResult(lm_loss=_global_mean_loss(losses, state), grad_norm=grad_norm)
 
-    mean_loss = loss_sum / num_microbatches
-    if state.dp.size > 1:
-        dist.all_reduce(mean_loss, group=state.dp.pg)
-        mean_loss /= state.dp.size
-    return StepResult(lm_loss=float(mean_loss), grad_norm=grad_norm)
+
+def _global_mean_loss(losses: list[torch.Tensor], state: ParallelState) -> float:
+    """Mean over micro-batches and DP ranks, computed on the last stage, known on every rank."""
+    mean = torch.zeros((), dtype=torch.float32, device=state.device)
+    if state.is_last_stage:
+        mean = torch.stack(losses).float().mean()
+        if state.dp.size > 1:
+            dist.all_reduce(mean, group=state.dp.pg)
+            mean /= state.dp.size
+    if state.pp.size > 1:
+        dist.broadcast(mean, src=state.pp.ranks[-1], group=state.pp.pg)
+    return float(mean)

@@ -11,28 +11,76 @@ from megapipe.data.mock import MockGPTDataset
 from megapipe.model.gpt import GPTModel
 from megapipe.parallel.random import RNGTracker
 from megapipe.parallel.state import ParallelState
+from megapipe.pipeline.executor import PipelineExecutor
+from megapipe.pipeline.model_chunks import activation_shape, build_model_chunks
+from megapipe.pipeline.p2p import P2PCommunicator
+from megapipe.pipeline.partition import StageMap, partition_layers
+from megapipe.pipeline.schedules import build_schedule
+from megapipe.pipeline.trace import TraceRecorder, gather_and_write
 from megapipe.training.interval_stats import IntervalStats
 from megapipe.training.log_format import iteration_line, parameter_count_line, world_size_line
 from megapipe.training.printing import print_rank_0, print_rank_last
 from megapipe.training.step import StepResult, train_step
 
 LOSS_NAME = "lm loss"
+TRACE_ITERATIONS = 10  # --pipeline-trace records the first iterations only
 
 
-def build_model(configs: Configs, state: ParallelState) -> GPTModel:
-    """Seed this rank's random streams and build its part of the model in training mode."""
+def build_model_chunks_for(configs: Configs, state: ParallelState) -> list[GPTModel]:
+    """Seed this rank's random streams and build its model chunks in training mode."""
     seed = configs.training.seed
     tracker = RNGTracker(seed, state.tp_rank, state.pp_rank, state.device)
     tracker.seed_default()
-    model = GPTModel(
+    chunks = build_model_chunks(
         configs.model,
         state,
         tracker,
+        stage_map_for(configs),
         seed=seed,
         sequence_parallel=configs.parallel.sequence_parallel,
     )
-    model.train()
-    return model
+    for chunk in chunks:
+        chunk.train()
+    return chunks
+
+
+def stage_map_for(configs: Configs) -> StageMap:
+    parallel = configs.parallel
+    return partition_layers(
+        configs.model,
+        parallel.pipeline_model_parallel_size,
+        parallel.virtual_pipeline_model_parallel_size,
+        method=parallel.pipeline_partition,
+        first=parallel.decoder_first_pipeline_num_layers,
+        last=parallel.decoder_last_pipeline_num_layers,
+    )
+
+
+def build_executor(
+    chunks: list[GPTModel], configs: Configs, state: ParallelState, trace: TraceRecorder | None
+) -> PipelineExecutor:
+    """The pipeline executor running this rank's schedule (plain accumulation when PP=1)."""
+    parallel, training = configs.parallel, configs.training
+    num_microbatches = training.num_microbatches(state.dp.size)
+    actions = build_schedule(
+        parallel.schedule,
+        parallel.pipeline_model_parallel_size,
+        parallel.virtual_pipeline_model_parallel_size,
+        num_microbatches,
+        state.pp_rank,
+    )
+    shape = activation_shape(
+        configs.model, training.micro_batch_size, state.tp.size, parallel.sequence_parallel
+    )
+    return PipelineExecutor(
+        chunks,
+        state,
+        actions,
+        num_microbatches=num_microbatches,
+        activation_shape=shape,
+        comm=P2PCommunicator(state.pp, parallel.pipeline_p2p_timeout),
+        trace=trace,
+    )
 
 
 def _now(device: torch.device) -> float:
@@ -52,18 +100,27 @@ def train(configs: Configs, state: ParallelState) -> list[StepResult]:
         state,
         world_size_line(state.world_size, state.dp.size, state.tp.size, state.pp.size),
     )
-    model = build_model(configs, state)
+    if state.pp.size > 1:
+        print_rank_0(state, stage_map_for(configs).describe())
+    chunks = build_model_chunks_for(configs, state)
+    params = [p for chunk in chunks for p in chunk.parameters()]
     if state.dp.rank == 0:
-        count = sum(p.numel() for p in model.parameters())
+        count = sum(p.numel() for p in params)
         print(parameter_count_line(state.tp_rank, state.pp_rank, count), flush=True)
 
-    optimizer = torch.optim.Adam(model.parameters(), lr=training.lr)
+    trace_path = configs.parallel.pipeline_trace
+    trace = TraceRecorder(state.pp_rank) if trace_path else None
+    executor = build_executor(chunks, configs, state, trace)
+    optimizer = torch.optim.Adam(params, lr=training.lr)
     data = MockGPTDataset(configs.model.vocab_size, configs.model.seq_length, training.seed)
     stats = IntervalStats()
     results: list[StepResult] = []
     interval_start = _now(state.device)
     for iteration in range(1, training.train_iters + 1):
-        result = train_step(model, optimizer, data, configs, state, iteration - 1)
+        if trace is not None:
+            trace.step = iteration
+            executor.trace = trace if iteration <= TRACE_ITERATIONS else None
+        result = train_step(chunks, optimizer, executor, data, configs, state, iteration - 1)
         results.append(result)
         stats.add({LOSS_NAME: result.lm_loss}, skipped=result.skipped)
         if iteration % training.log_interval == 0:
@@ -84,4 +141,7 @@ def train(configs: Configs, state: ParallelState) -> list[StepResult]:
             print_rank_last(state, line)
             stats.reset()
             interval_start = now
+    if trace is not None:
+        gather_and_write(trace, trace_path, state.pp.ranks)
+        print_rank_0(state, f"pipeline trace written to {trace_path}")
     return results

@@ -1,0 +1,151 @@
+"""Run one rank's schedule for one training step: a small loop that dispatches actions.
+
+The executor owns the per-step bookkeeping the schedule implies: activations received from the
+previous stage (inputs), outputs waiting for their gradient, gradients received from the next
+stage. Outputs already sent downstream keep their autograd graph but not their data (Megatron's
+deallocate-output trick), so what a stage holds alive is its stashed micro-batches' internal
+activations only. `peak_stashed` (micro-batches forwarded but not yet backwarded, the
+simulator's in-flight count) and `freed_outputs` are exact counts, which is how the
+activation-memory bound is tested rather than with allocator statistics.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+from torch.autograd.variable import Variable
+
+from megapipe.data.mock import TrainingBatch
+from megapipe.layers.cross_entropy import masked_mean
+from megapipe.model.gpt import GPTModel
+from megapipe.parallel.state import ParallelState
+from megapipe.pipeline.p2p import P2PCommunicator
+from megapipe.pipeline.schedules import P2P, Action, Comm, Compute
+from megapipe.pipeline.trace import TraceRecorder
+
+Key = tuple[int, int]  # (microbatch, local chunk)
+
+
+def _free_data(tensor: torch.Tensor) -> bool:
+    """Drop a sent output's storage but keep its grad_fn, so backward can still run through it."""
+    if tensor._base is not None:  # a view shares storage that something else may need
+        return False
+    tensor.data = torch.empty((1,), dtype=tensor.dtype, device=tensor.device)
+    return True
+
+
+def _backward_through(output: torch.Tensor, grad: torch.Tensor) -> None:
+    """output.backward(grad) without the shape check that a freed output would fail."""
+    Variable._execution_engine.run_backward(
+        tensors=(output,),
+        grad_tensors=(grad,),
+        keep_graph=False,
+        create_graph=False,
+        inputs=(),
+        allow_unreachable=True,
+        accumulate_grad=True,
+    )
+
+
+class PipelineExecutor:
+    """Executes `actions` on this rank's model chunks (chunk c is virtual stage c * p + rank)."""
+
+    def __init__(
+        self,
+        chunks: Sequence[GPTModel],
+        state: ParallelState,
+        actions: list[Action],
+        *,
+        num_microbatches: int,
+        activation_shape: tuple[int, ...],
+        dtype: torch.dtype = torch.float32,
+        comm: P2PCommunicator | None = None,
+        trace: TraceRecorder | None = None,
+    ) -> None:
+        self.chunks = list(chunks)
+        self.state = state
+        self.actions = actions
+        self.num_microbatches = num_microbatches
+        self.activation_shape = activation_shape
+        self.dtype = dtype
+        self.comm = comm or P2PCommunicator(state.pp)
+        self.trace = trace
+        self.num_stages = state.pp.size * len(self.chunks)
+        self.peak_stashed = 0
+        self.freed_outputs = 0
+
+    def _free(self, tensor: torch.Tensor) -> None:
+        self.freed_outputs += _free_data(tensor)
+
+    def _stage(self, chunk: int) -> int:
+        return chunk * self.state.pp.size + self.state.pp.rank
+
+    def run(self, get_batch: Callable[[int], TrainingBatch]) -> list[torch.Tensor]:
+        """One step's forwards and backwards; returns the last stage's micro-batch losses."""
+        inputs: dict[Key, torch.Tensor] = {}
+        outputs: dict[Key, torch.Tensor] = {}
+        output_grads: dict[Key, torch.Tensor] = {}
+        losses: list[torch.Tensor] = []
+        self.peak_stashed = self.freed_outputs = 0
+
+        def forward(step: Compute) -> None:
+            key = (step.microbatch, step.chunk)
+            stage = self._stage(step.chunk)
+            model = self.chunks[step.chunk]
+            first, last = stage == 0, stage == self.num_stages - 1
+            batch = get_batch(step.microbatch) if first or last else None
+            if first:
+                out = model(tokens=batch.tokens, labels=batch.labels if last else None)
+            else:
+                out = model(hidden_states=inputs[key], labels=batch.labels if last else None)
+            if last:
+                loss = masked_mean(out, batch.loss_mask)
+                losses.append(loss.detach())
+                out = loss / self.num_microbatches
+            outputs[key] = out
+            self.peak_stashed = max(self.peak_stashed, len(outputs))
+
+        def backward(step: Compute) -> None:
+            key = (step.microbatch, step.chunk)
+            out = outputs.pop(key)
+            if self._stage(step.chunk) == self.num_stages - 1:
+                out.backward()
+            else:
+                _backward_through(out, output_grads.pop(key))
+
+        def transfer(op: P2P) -> tuple[P2P, torch.Tensor, Callable[[], None] | None]:
+            key = (op.microbatch, op.chunk)
+            if op.op == "recv":
+                buffer = torch.empty(
+                    self.activation_shape, dtype=self.dtype, device=self.state.device
+                )
+                if op.phase == "F":
+                    inputs[key] = buffer.requires_grad_()
+                else:
+                    output_grads[key] = buffer
+                return op, buffer, None
+            if op.phase == "F":
+                out = outputs[key]
+                return op, out.detach(), lambda: self._free(out)
+            grad = inputs.pop(key).grad
+            return op, grad, None
+
+        for action in self.actions:
+            start = time.perf_counter()
+            if isinstance(action, Comm):
+                self.comm.exchange([transfer(op) for op in action.ops])
+            elif action.phase == "F":
+                forward(action)
+            else:
+                backward(action)
+            if self.trace is not None:
+                self.trace.record(action, start, time.perf_counter())
+        self.comm.drain()
+        if outputs or output_grads:
+            raise RuntimeError(
+                f"schedule left work behind: outputs {sorted(outputs)}, "
+                f"gradients {sorted(output_grads)}"
+            )
+        return losses

@@ -1,0 +1,85 @@
+"""Point-to-point transfers between pipeline stages: one batch_isend_irecv per `Comm` action.
+
+Receives are waited on at once (the next compute needs them); sends are left in flight and
+waited on before the next batch is posted, so a rank computes while its activations travel.
+Shapes are known from the config, so there is no per-micro-batch shape handshake. A receive
+that does not complete within the timeout raises an error naming the peer, instead of leaving
+the rank waiting forever for a stage that died.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from megapipe.parallel.state import Group
+from megapipe.pipeline.schedules import P2P
+
+
+class PipelineCommError(RuntimeError):
+    """A transfer with a neighbouring stage failed or timed out."""
+
+
+@dataclass
+class PendingSend:
+    """A send still in flight, and what to do once its buffer may be reused."""
+
+    work: dist.Work
+    op: P2P
+    on_done: Callable[[], None] | None = None
+
+
+class P2PCommunicator:
+    """Posts a schedule's transfer batches over the pipeline group of one rank."""
+
+    def __init__(self, group: Group, timeout_s: float = 300.0) -> None:
+        self.group = group
+        self.timeout = timedelta(seconds=timeout_s)
+        self._in_flight: list[PendingSend] = []
+
+    def _peer(self, op: P2P) -> int:
+        return self.group.ranks[op.peer]
+
+    def _wait(self, work: dist.Work, op: P2P) -> None:
+        try:
+            work.wait(self.timeout)
+        except RuntimeError as error:
+            what = "receive from" if op.op == "recv" else "send to"
+            raise PipelineCommError(
+                f"pipeline rank {self.group.rank}: {what} pipeline rank {op.peer} (global rank "
+                f"{self._peer(op)}) of {op.phase}{op.microbatch}.{op.chunk} failed or timed out "
+                f"after {self.timeout.total_seconds():.0f} s: {error}"
+            ) from error
+
+    def exchange(
+        self, transfers: list[tuple[P2P, torch.Tensor, Callable[[], None] | None]]
+    ) -> None:
+        """Post one batch, in the schedule's order; return when every receive has landed.
+
+        transfers: (op, tensor, callback) with the callback run once a send's buffer is free.
+        """
+        self.drain()
+        p2p_ops = [
+            dist.P2POp(
+                dist.isend if op.op == "send" else dist.irecv, tensor, self._peer(op), self.group.pg
+            )
+            for op, tensor, _ in transfers
+        ]
+        works = dist.batch_isend_irecv(p2p_ops)
+        for (op, _, on_done), work in zip(transfers, works):
+            if op.op == "recv":
+                self._wait(work, op)
+            else:
+                self._in_flight.append(PendingSend(work, op, on_done))
+
+    def drain(self) -> None:
+        """Wait for every send still in flight, then run its completion callback."""
+        pending, self._in_flight = self._in_flight, []
+        for send in pending:
+            self._wait(send.work, send.op)
+            if send.on_done is not None:
+                send.on_done()

@@ -1,0 +1,164 @@
+"""Which transformer layers each (pipeline rank, model chunk) owns. Never drops a layer.
+
+Virtual stage s = chunk * p + rank holds a contiguous run of layers, in stage order. Three ways
+to choose the runs, as in Megatron-LM plus one:
+
+* uniform: num_layers / (p * v) each; anything else is an error naming the numbers;
+* first/last overrides (--decoder-first/last-pipeline-num-layers): the first and/or last stage
+  get the given counts and the rest split evenly among the middle stages;
+* balanced: a contiguous split minimising the most expensive stage in FLOPs per token, where
+  the last stage also pays for the output layer (2 h V) - the embedding lookup is nearly free -
+  so a big vocabulary does not make the last stage the straggler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megapipe.config import ConfigError, ModelConfig
+
+
+@dataclass(frozen=True)
+class StageMap:
+    """layers[rank][chunk] = the global layer indices that model chunk holds."""
+
+    layers: tuple[tuple[range, ...], ...]
+
+    @property
+    def pipeline_size(self) -> int:
+        return len(self.layers)
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.layers[0])
+
+    def stage_ranges(self) -> list[range]:
+        """Layer ranges in virtual-stage order (stage s = chunk * p + rank)."""
+        p = self.pipeline_size
+        return [self.layers[s % p][s // p] for s in range(p * self.num_chunks)]
+
+    def describe(self) -> str:
+        """The start-up map rank 0 prints: which layers each (rank, chunk) owns."""
+        lines = ["pipeline layer map (rank, chunk): layers"]
+        for rank, chunks in enumerate(self.layers):
+            for chunk, layers in enumerate(chunks):
+                span = f"{layers.start}-{layers.stop - 1}" if len(layers) else "none"
+                lines.append(f"  ({rank}, {chunk}): {span} ({len(layers)} layers)")
+        return "\n".join(lines)
+
+
+def _from_counts(counts: list[int], p: int, v: int) -> StageMap:
+    starts = [sum(counts[:s]) for s in range(len(counts))]
+    stages = [range(start, start + n) for start, n in zip(starts, counts)]
+    return StageMap(tuple(tuple(stages[c * p + r] for c in range(v)) for r in range(p)))
+
+
+def uniform_counts(
+    num_layers: int, p: int, v: int, first: int | None = None, last: int | None = None
+) -> list[int]:
+    """Layer count per virtual stage: even split, with optional first/last stage overrides."""
+    stages = p * v
+    if first is not None or last is not None:
+        if v > 1:
+            raise ConfigError(
+                "--decoder-first/last-pipeline-num-layers cannot be combined with "
+                f"virtual pipeline stages (got {v} per rank)"
+            )
+        fixed = (first or 0) + (last or 0)
+        middle = stages - (first is not None) - (last is not None)
+        rest = num_layers - fixed
+        names = " + ".join(
+            f"--decoder-{w}-pipeline-num-layers ({n})"
+            for w, n in (("first", first), ("last", last))
+            if n is not None
+        )
+        if rest < 0 or (middle == 0 and rest != 0) or (middle and rest % middle):
+            raise ConfigError(
+                f"--num-layers ({num_layers}) minus {names} leaves {rest} layers, which do not "
+                f"split evenly over the {middle} remaining stages of "
+                f"--pipeline-model-parallel-size ({p})"
+            )
+        each = rest // middle if middle else 0
+        counts = [each] * stages
+        if first is not None:
+            counts[0] = first
+        if last is not None:
+            counts[-1] = last
+        return counts
+    if num_layers % stages:
+        what = f"{p} pipeline stages" + (f" x {v} virtual stages per rank" if v > 1 else "")
+        raise ConfigError(
+            f"--num-layers ({num_layers}) is not divisible by {what} = {stages}; use a multiple "
+            f"of {stages}, --decoder-first/last-pipeline-num-layers, or the balanced partition"
+        )
+    return [num_layers // stages] * stages
+
+
+def layer_flops_per_token(config: ModelConfig) -> float:
+    """Forward FLOPs per token of one transformer layer (matmuls + causal attention)."""
+    h, ffn, s = config.hidden_size, config.ffn_hidden_size, config.seq_length
+    kv = 2 * config.num_query_groups * config.head_dim
+    linear = 2 * h * (h + kv) + 2 * h * h + 2 * h * ffn * (3 if config.swiglu else 2)
+    attention = 2 * s * h  # QK^T and AV over the causal half of the sequence
+    return float(linear + attention)
+
+
+def balanced_counts(config: ModelConfig, p: int, v: int) -> list[int]:
+    """Contiguous layer counts per virtual stage minimising the costliest stage.
+
+    The last stage also pays for the output layer (2 h V FLOPs per token, plus the loss), so it
+    tends to get fewer transformer layers. Every stage gets at least one layer.
+    """
+    stages = p * v
+    n = config.num_layers
+    if n < stages:
+        raise ConfigError(f"--num-layers ({n}) is smaller than the {stages} pipeline stages")
+    layer = layer_flops_per_token(config)
+    head = 2.0 * config.hidden_size * config.padded_vocab_size(1)
+    extra = [0.0] * stages
+    extra[-1] += head
+
+    # best[s][k]: minimal max-cost of putting the first k layers on the first s stages
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    choice = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, stages + 1):
+        for k in range(s, n - (stages - s) + 1):
+            for j in range(s - 1, k):  # stage s-1 takes layers j..k-1
+                cost = max(best[s - 1][j], (k - j) * layer + extra[s - 1])
+                if cost < best[s][k]:
+                    best[s][k], choice[s][k] = cost, j
+    counts, k = [], n
+    for s in range(stages, 0, -1):
+        j = choice[s][k]
+        counts.append(k - j)
+        k = j
+    return counts[::-1]
+
+
+def partition_layers(
+    config: ModelConfig,
+    p: int,
+    v: int = 1,
+    *,
+    method: str = "uniform",
+    first: int | None = None,
+    last: int | None = None,
+) -> StageMap:
+    """The stage map for a pipeline of p ranks with v chunks each."""
+    if method == "balanced":
+        if first is not None or last is not None:
+            raise ConfigError(
+                "--decoder-first/last-pipeline-num-layers and the balanced "
+                "partition are alternatives; pass one"
+            )
+        counts = balanced_counts(config, p, v)
+    elif method == "uniform":
+        counts = uniform_counts(config.num_layers, p, v, first, last)
+    else:
+        raise ConfigError(f"pipeline partition method {method!r} is not uniform or balanced")
+    stage_map = _from_counts(counts, p, v)
+    covered = [i for r in stage_map.stage_ranges() for i in r]
+    assert covered == list(range(config.num_layers)), "partition dropped or repeated a layer"
+    return stage_map

@@ -1,0 +1,188 @@
+"""Pipeline schedules as data: `build_schedule(kind, p, v, m, rank) -> list of actions`.
+
+A schedule is the ordered list of what one pipeline rank does in one training step: forward or
+backward of model chunk `c` on micro-batch `i` (`Compute`), and batches of point-to-point
+transfers posted together and waited on together (`Comm`). The same lists drive the executor,
+the simulator that proves them deadlock-free, and the timeline plots.
+
+Model chunks and stages: with p ranks and v chunks per rank there are p*v virtual stages; rank
+r holds chunks c = 0..v-1, which are virtual stages c*p + r (Megatron's interleaving).
+
+Communication is derived from the compute order, never written by hand. The order is a list of
+*units* (one compute, or a steady-state forward+backward pair); between two consecutive units a
+rank posts, as one batch, the sends of what the first produced and the receives of everything
+the second needs (Megatron's send_forward_recv_backward and, for interleaving,
+send_forward_backward_recv_forward_backward). Posting them together is what keeps the
+schedules free of deadlock under blocking (rendezvous) send/recv; the simulator checks it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from megapipe.config import ConfigError
+
+SCHEDULE_KINDS = ("no-pipelining", "gpipe", "1f1b", "interleaved-1f1b")
+
+Phase = Literal["F", "B"]
+
+
+@dataclass(frozen=True)
+class Compute:
+    """Forward ("F") or backward ("B") of local model chunk `chunk` on micro-batch `microbatch`."""
+
+    phase: Phase
+    microbatch: int
+    chunk: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.phase}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
+
+
+@dataclass(frozen=True)
+class P2P:
+    """One transfer: activations ("F") or their gradients ("B") of (microbatch, local chunk)."""
+
+    op: Literal["send", "recv"]
+    phase: Phase
+    microbatch: int
+    chunk: int
+    peer: int
+
+    def __str__(self) -> str:
+        return f"{self.op}-{self.phase}{self.microbatch}.{self.chunk}@{self.peer}"
+
+
+@dataclass(frozen=True)
+class Comm:
+    """Transfers posted together (one batch_isend_irecv) and completed together."""
+
+    ops: tuple[P2P, ...]
+
+    def __str__(self) -> str:
+        return "[" + " ".join(str(op) for op in self.ops) + "]"
+
+
+Action = Compute | Comm
+
+
+def validate_schedule(kind: str, p: int, v: int, m: int) -> None:
+    """Raise ConfigError, naming the flags, for a combination the schedule cannot run."""
+    if kind not in SCHEDULE_KINDS:
+        raise ConfigError(f"pipeline schedule {kind!r} is not one of {', '.join(SCHEDULE_KINDS)}")
+    if p < 1 or v < 1 or m < 1:
+        raise ConfigError(
+            f"pipeline size ({p}), virtual stages ({v}) and micro-batches ({m}) "
+            "must all be positive"
+        )
+    if kind == "no-pipelining" and p != 1:
+        raise ConfigError(f"schedule no-pipelining needs --pipeline-model-parallel-size 1, got {p}")
+    if kind != "interleaved-1f1b" and v != 1:
+        raise ConfigError(
+            f"schedule {kind} runs one model chunk per rank; virtual stages ({v}) "
+            "need the interleaved-1f1b schedule"
+        )
+    if kind == "interleaved-1f1b" and p == 1:
+        raise ConfigError(
+            "virtual pipeline stages need --pipeline-model-parallel-size > 1 "
+            "(with one stage there is nothing to interleave)"
+        )
+    if kind == "interleaved-1f1b" and m % p:
+        lower, upper = (m // p) * p, (m // p + 1) * p
+        allowed = f"{lower} or {upper}" if lower else f"{upper}"
+        raise ConfigError(
+            f"the interleaved schedule needs the number of micro-batches ({m}) to be a multiple "
+            f"of --pipeline-model-parallel-size ({p}): micro-batches pass each model chunk in "
+            f"groups of {p}, and a partial group deadlocks the steady state. Use {allowed} "
+            f"micro-batches (global batch = micro-batch x data-parallel size x micro-batches)"
+        )
+
+
+Unit = tuple[Compute, ...]
+
+
+def compute_units(kind: str, p: int, v: int, m: int, rank: int) -> list[Unit]:
+    """The order in which `rank` runs its forwards and backwards, grouped into units."""
+    validate_schedule(kind, p, v, m)
+    if kind == "gpipe":
+        return [(Compute("F", i),) for i in range(m)] + [(Compute("B", i),) for i in range(m)]
+    if kind in ("1f1b", "no-pipelining"):
+        warmup = min(p - rank - 1, m)
+        units = [(Compute("F", i),) for i in range(warmup)]
+        for j in range(m - warmup):
+            units += [(Compute("F", warmup + j),), (Compute("B", j),)]
+        return units + [(Compute("B", i),) for i in range(m - warmup, m)]
+    return _interleaved_units(p, v, m, rank)
+
+
+def compute_order(kind: str, p: int, v: int, m: int, rank: int) -> list[Compute]:
+    """The order in which `rank` runs its forwards and backwards."""
+    return [step for unit in compute_units(kind, p, v, m, rank) for step in unit]
+
+
+def _interleaved_units(p: int, v: int, m: int, rank: int) -> list[Unit]:
+    """Megatron's interleaved 1F1B: micro-batches pass chunk 0 in groups of p, then chunk 1..."""
+    forwards: list[Compute] = []
+    for group_start in range(0, m, p):
+        group = range(group_start, min(group_start + p, m))
+        forwards += [Compute("F", i, c) for c in range(v) for i in group]
+    backwards = [Compute("B", f.microbatch, v - 1 - f.chunk) for f in forwards]
+    total = m * v
+    warmup = min((p - rank - 1) * 2 + (v - 1) * p, total)
+    units = [(f,) for f in forwards[:warmup]]
+    units += [(forwards[warmup + k], backwards[k]) for k in range(total - warmup)]
+    return units + [(b,) for b in backwards[total - warmup :]]
+
+
+def transfer_key(op: P2P, rank: int, p: int) -> tuple[str, int, int, int]:
+    """What a send and its matching receive agree on: (phase, microbatch, from, to stage)."""
+    stage = op.chunk * p + rank
+    if op.phase == "F":
+        src, dst = (stage, stage + 1) if op.op == "send" else (stage - 1, stage)
+    else:
+        src, dst = (stage, stage - 1) if op.op == "send" else (stage + 1, stage)
+    return op.phase, op.microbatch, src, dst
+
+
+def _neighbours(step: Compute, rank: int, p: int, v: int) -> tuple[P2P | None, P2P | None]:
+    """(what `step` must receive first, what it must send afterwards), or None at the ends."""
+    stage = step.chunk * p + rank
+    last = p * v - 1
+    prev_stage, next_stage = stage - 1, stage + 1
+    if step.phase == "F":
+        recv = P2P("recv", "F", step.microbatch, step.chunk, prev_stage % p) if stage else None
+        send = (
+            P2P("send", "F", step.microbatch, step.chunk, next_stage % p) if stage < last else None
+        )
+    else:
+        recv = (
+            P2P("recv", "B", step.microbatch, step.chunk, next_stage % p) if stage < last else None
+        )
+        send = P2P("send", "B", step.microbatch, step.chunk, prev_stage % p) if stage else None
+    return recv, send
+
+
+def build_schedule(kind: str, p: int, v: int, m: int, rank: int) -> list[Action]:
+    """Every action `rank` performs in one step, communication included."""
+    if not 0 <= rank < p:
+        raise ConfigError(f"rank {rank} is outside a pipeline of {p} ranks")
+    actions: list[Action] = []
+    pending_sends: list[P2P] = []
+    for unit in compute_units(kind, p, v, m, rank):
+        ends = [_neighbours(step, rank, p, v) for step in unit]
+        batch = pending_sends + [recv for recv, _ in ends if recv is not None]
+        if batch:
+            # Sorted by transfer key on both sides, so that several transfers between the same
+            # two ranks are posted in the same order there and here (p2p matches in FIFO order).
+            actions.append(Comm(tuple(sorted(batch, key=lambda op: transfer_key(op, rank, p)))))
+        actions.extend(unit)
+        pending_sends = [send for _, send in ends if send is not None]
+    if pending_sends:
+        actions.append(Comm(tuple(pending_sends)))
+    return actions
+
+
+def format_schedule(actions: list[Action]) -> str:
+    """One line, for logs and error messages: `F0 [send-F0.0@1 recv-B0.0@1] B0 ...`."""
+    return " ".join(str(a) for a in actions)

@@ -1,0 +1,87 @@
+"""Measured pipeline timelines as Chrome-trace JSON (open in Perfetto or chrome://tracing).
+
+Each rank records the wall-clock start and end of every action it runs; at the end of training
+the records are gathered to global rank 0, which writes one file: one row per pipeline rank,
+forward and backward as separate categories, communication batches in a third.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from megapipe.pipeline.schedules import Action, Compute
+
+
+@dataclass
+class TraceRecorder:
+    """The actions of one rank, with start/end in seconds (time.perf_counter), per step."""
+
+    rank: int
+    step: int = 0
+    events: list[dict] = field(default_factory=list)
+
+    def record(self, action: Action, start: float, end: float) -> None:
+        if isinstance(action, Compute):
+            category = "forward" if action.phase == "F" else "backward"
+            args = {"microbatch": action.microbatch, "chunk": action.chunk}
+        else:
+            category, args = "comm", {"ops": [str(op) for op in action.ops]}
+        self.events.append(
+            {
+                "name": str(action),
+                "cat": category,
+                "ph": "X",
+                "pid": 0,
+                "tid": self.rank,
+                "ts": start * 1e6,
+                "dur": (end - start) * 1e6,
+                "args": {**args, "step": self.step},
+            }
+        )
+
+
+def chrome_trace(events_per_rank: list[list[dict]]) -> dict:
+    """One Chrome-trace document; timestamps shifted so the earliest event starts at 0."""
+    events = [e for rank_events in events_per_rank for e in rank_events]
+    origin = min((e["ts"] for e in events), default=0.0)
+    shifted = [{**e, "ts": round(e["ts"] - origin, 3), "dur": round(e["dur"], 3)} for e in events]
+    names = [
+        {
+            "name": "thread_name",
+            "ph": "M",
+            "pid": 0,
+            "tid": r,
+            "args": {"name": f"pipeline rank {r}"},
+        }
+        for r in range(len(events_per_rank))
+    ]
+    return {"traceEvents": names + shifted, "displayTimeUnit": "ms"}
+
+
+def write_json_atomically(path: str, document: dict) -> None:
+    """Write to a temporary file beside `path`, fsync, rename: never a half-written trace."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".trace-", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(document, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def gather_and_write(recorder: TraceRecorder, path: str, pp_group_ranks: tuple[int, ...]) -> None:
+    """Collective over the world: rank 0 writes the trace of the pipeline `pp_group_ranks`."""
+    gathered: list = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
+    dist.gather_object(recorder.events, gathered if dist.get_rank() == 0 else None, dst=0)
+    if dist.get_rank() == 0:
+        write_json_atomically(path, chrome_trace([gathered[r] for r in pp_group_ranks]))
