@@ -152,3 +152,16 @@ def test_sequence_parallel_pipeline_matches_single_rank():
     )
     for r in results:
         assert r["loss"] < TOLERANCE and r["norm"] < TOLERANCE and r["grads"] < TOLERANCE, r
+
+
+def _without_tied_embedding_sync(rank, world):
+    from megapipe.distributed import finalize_grads
+
+    finalize_grads.tied_embedding_grads = lambda chunks: []  # deliberately broken, this rank only
+    return _pipeline_parity(rank, world, 1, 2, 1, "1f1b", True, 4, 2)
+
+
+def test_skipping_the_tied_embedding_all_reduce_fails_parity():
+    first, last = run_distributed(_without_tied_embedding_sync, 2)
+    assert max(first["grads"], last["grads"]) > 1000 * TOLERANCE
+    assert not torch.equal(first["shared"][0], last["shared"][0])

@@ -137,6 +137,12 @@ def simulate(
     if stuck:
         waits = "; ".join(f"rank {r} waits in {schedules[r][pc[r]]}" for r in stuck)
         raise ScheduleError(f"deadlock: {waits}")
+    for (side, pair), order in channel_order.items():
+        if side == "send" and order != channel_order.get(("recv", pair)):
+            raise ScheduleError(
+                f"ranks {pair[0]} -> {pair[1]} post sends and receives in different orders; "
+                "FIFO matching would swap tensors"
+            )
     expected = {
         (ph, i, c) for ph in "FB" for i in range(num_microbatches) for c in range(num_chunks)
     }

@@ -1,0 +1,141 @@
+"""Schedules as data: complete, deadlock-free under rendezvous p2p, and as idle as theory says."""
+
+import pytest
+
+from megapipe.config import ConfigError
+from megapipe.pipeline.schedules import (
+    P2P,
+    Comm,
+    Compute,
+    build_schedule,
+    compute_order,
+    format_schedule,
+)
+from megapipe.pipeline.simulator import ScheduleError, simulate, simulate_kind
+
+GRID = [(kind, p, v, m)
+        for kind, vs in (("gpipe", [1]), ("1f1b", [1]), ("interleaved-1f1b", [2, 3, 4]))
+        for v in vs for p in (2, 3, 4, 8) for m in (1, 2, 3, 4, 5, 8, 12, 16)
+        if kind != "interleaved-1f1b" or m % p == 0]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind,p,v,m", GRID)
+def test_every_schedule_is_complete_deadlock_free_and_matches_the_bubble_formula(kind, p, v, m):
+    sim = simulate_kind(kind, p, v, m)  # raises ScheduleError on deadlock or missing work
+    expected = (p - 1) / m if kind != "interleaved-1f1b" else (p - 1) / (v * m)
+    for rank in range(p):
+        assert sim.bubble_fraction(rank) == pytest.approx(expected, rel=1e-12)
+        assert sim.busy(rank) == pytest.approx(3.0 * m)  # F 1/v + B 2/v, per chunk per micro-batch
+
+
+@pytest.mark.parametrize("p,m", [(2, 8), (4, 8), (4, 2), (8, 16)])
+def test_1f1b_holds_at_most_p_micro_batches_where_gpipe_holds_all(p, m):
+    one_f_one_b = simulate_kind("1f1b", p, 1, m)
+    assert one_f_one_b.peak_in_flight == [min(p - r, m) for r in range(p)]
+    assert simulate_kind("gpipe", p, 1, m).peak_in_flight == [m] * p
+
+
+def test_interleaved_activation_bound_matches_megatron_warmup():
+    # rank r keeps (p - r - 1) * 2 + (v - 1) * p warm-up forwards, plus the steady one
+    p, v, m = 4, 2, 8
+    sim = simulate_kind("interleaved-1f1b", p, v, m)
+    assert sim.peak_in_flight == [(p - r - 1) * 2 + (v - 1) * p + 1 for r in range(p)]
+
+
+def test_1f1b_order_is_warmup_steady_cooldown():
+    order = [str(a) for a in compute_order("1f1b", 4, 1, 6, 1)]
+    assert order == ["F0", "F1", "F2", "B0", "F3", "B1", "F4", "B2", "F5", "B3", "B4", "B5"]
+
+
+def test_interleaved_forwards_go_through_chunks_in_groups_of_p():
+    forwards = [str(a) for a in compute_order("interleaved-1f1b", 2, 2, 4, 1) if a.phase == "F"]
+    assert forwards == ["F0", "F1", "F0.1", "F1.1", "F2", "F3", "F2.1", "F3.1"]
+
+
+def test_communication_is_paired_with_the_neighbouring_compute():
+    text = format_schedule(build_schedule("1f1b", 2, 1, 2, 0))
+    assert text == "F0 [send-F0.0@1] F1 [recv-B0.0@1 send-F1.0@1] B0 [recv-B1.0@1] B1"
+
+
+def test_naive_blocking_order_deadlocks_and_the_simulator_says_where():
+    # Rank 0 sends F1 before receiving B0, rank 1 sends B0 before receiving F1: with
+    # rendezvous p2p and separate (unbatched) transfers, each waits for the other forever.
+    rank0 = [
+        Compute("F", 0),
+        Comm((P2P("send", "F", 0, 0, 1),)),
+        Compute("F", 1),
+        Comm((P2P("send", "F", 1, 0, 1),)),
+        Comm((P2P("recv", "B", 0, 0, 1),)),
+        Compute("B", 0),
+        Comm((P2P("recv", "B", 1, 0, 1),)),
+        Compute("B", 1),
+    ]
+    rank1 = [
+        Comm((P2P("recv", "F", 0, 0, 0),)),
+        Compute("F", 0),
+        Compute("B", 0),
+        Comm((P2P("send", "B", 0, 0, 0),)),
+        Comm((P2P("recv", "F", 1, 0, 0),)),
+        Compute("F", 1),
+        Compute("B", 1),
+        Comm((P2P("send", "B", 1, 0, 0),)),
+    ]
+    with pytest.raises(ScheduleError, match="deadlock: rank 0 waits in .*send-F1.*rank 1"):
+        simulate([rank0, rank1], 2)
+
+
+def test_transfers_posted_in_different_orders_are_caught():
+    send_both = Comm((P2P("send", "F", 0, 0, 1), P2P("send", "F", 1, 0, 1)))
+    recv_swapped = Comm((P2P("recv", "F", 1, 0, 0), P2P("recv", "F", 0, 0, 0)))
+    rank0 = [Compute("F", 0), Compute("F", 1), send_both, Comm((P2P("recv", "B", 0, 0, 1),
+             P2P("recv", "B", 1, 0, 1))), Compute("B", 0), Compute("B", 1)]  # fmt: skip
+    rank1 = [
+        recv_swapped,
+        Compute("F", 0),
+        Compute("F", 1),
+        Compute("B", 0),
+        Compute("B", 1),
+        Comm((P2P("send", "B", 0, 0, 0), P2P("send", "B", 1, 0, 0))),
+    ]
+    with pytest.raises(ScheduleError, match="different orders"):
+        simulate([rank0, rank1], 2)
+
+
+def test_missing_work_and_compute_before_input_are_caught():
+    with pytest.raises(ScheduleError, match="never runs"):
+        simulate([[Compute("F", 0), Compute("B", 0)]], 2)
+    with pytest.raises(ScheduleError, match="before receiving its input"):
+        simulate(
+            [
+                [
+                    Compute("F", 0),
+                    Comm((P2P("send", "F", 0, 0, 1),)),
+                    Comm((P2P("recv", "B", 0, 0, 1),)),
+                    Compute("B", 0),
+                ],
+                [Compute("F", 0), Compute("B", 0)],
+            ],
+            1,
+        )
+
+
+@pytest.mark.parametrize(
+    "kind,p,v,m,fragment",
+    [
+        ("interleaved-1f1b", 4, 2, 6, "micro-batches (6)"),
+        ("interleaved-1f1b", 1, 2, 4, "--pipeline-model-parallel-size > 1"),
+        ("1f1b", 2, 2, 4, "interleaved-1f1b"),
+        ("no-pipelining", 2, 1, 4, "--pipeline-model-parallel-size 1"),
+        ("zero-bubble", 2, 1, 4, "'zero-bubble'"),
+    ],
+)
+def test_impossible_schedules_are_rejected_with_the_numbers(kind, p, v, m, fragment):
+    with pytest.raises(ConfigError) as err:
+        build_schedule(kind, p, v, m, 0)
+    assert fragment in str(err.value)
+
+
+def test_interleaving_error_suggests_allowed_micro_batch_counts():
+    with pytest.raises(ConfigError) as err:
+        build_schedule("interleaved-1f1b", 4, 2, 6, 0)
+    assert "Use 4 or 8 micro-batches" in str(err.value)
