@@ -11,6 +11,8 @@ import math
 import warnings
 from dataclasses import dataclass, field
 
+import torch
+
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
@@ -175,6 +177,57 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class OptimizerConfig:
+    """Optimizer, precision, gradient reduction and clipping. Defaults follow Megatron-LM's."""
+
+    optimizer: str = "adam"  # AdamW (decoupled weight decay), as Megatron's "adam"
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    sgd_momentum: float = 0.9
+    weight_decay: float = 0.01
+    clip_grad: float = 1.0  # 0 disables clipping
+    use_distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    ddp_bucket_size: int | None = None  # elements; None: Megatron's 40M
+    bf16: bool = False
+    fp16: bool = False
+    loss_scale: float | None = None  # a static fp16 loss scale; None: dynamic
+    initial_loss_scale: float = 2.0**32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else torch.float32
+
+    def validate(self) -> None:
+        _require(not (self.bf16 and self.fp16), "--fp16 and --bf16 are mutually exclusive")
+        _require(
+            self.optimizer in ("adam", "sgd"),
+            f"--optimizer {self.optimizer!r} is not one of adam, sgd",
+        )
+        _require(self.clip_grad >= 0, f"--clip-grad must be >= 0, got {self.clip_grad}")
+        _require(self.weight_decay >= 0, f"--weight-decay must be >= 0, got {self.weight_decay}")
+        _require(self.adam_eps > 0, f"--adam-eps must be positive, got {self.adam_eps}")
+        for name in ("adam_beta1", "adam_beta2"):
+            value = getattr(self, name)
+            _require(0.0 <= value < 1.0, f"{flag(name)} must be in [0, 1), got {value}")
+        if self.ddp_bucket_size is not None:
+            _positive(ddp_bucket_size=self.ddp_bucket_size)
+        if self.fp16:
+            if self.loss_scale is not None:
+                _positive(loss_scale=self.loss_scale)
+            _positive(
+                initial_loss_scale=self.initial_loss_scale,
+                min_loss_scale=self.min_loss_scale,
+                loss_scale_window=self.loss_scale_window,
+                hysteresis=self.hysteresis,
+            )
+
+
+@dataclass(frozen=True)
 class TrainingConfig:
     """The optimisation loop: batch sizes, iterations, learning rate, seed, logging."""
 
@@ -208,6 +261,57 @@ class TrainingConfig:
 
 
 @dataclass(frozen=True)
+class DataConfig:
+    """Where training samples come from: Megatron's data, tokenizer and masking flags.
+
+    `data_path` and the per-split paths hold the words as given (`0.3 A 0.7 B` blends by
+    weight); the files themselves are checked by megapipe.data when the flags are parsed.
+    """
+
+    mock_data: bool = False
+    data_path: tuple[str, ...] = ()
+    split: str = "969, 30, 1"
+    train_data_path: tuple[str, ...] = ()
+    valid_data_path: tuple[str, ...] = ()
+    test_data_path: tuple[str, ...] = ()
+    data_cache_path: str | None = None
+    tokenizer_type: str | None = None
+    tokenizer_model: str | None = None
+    vocab_file: str | None = None
+    merge_file: str | None = None
+    vocab_size: int | None = None  # NullTokenizer's, or the mock data's without a tokenizer
+    eod_mask_loss: bool = False
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+
+    @property
+    def real_data(self) -> bool:
+        return bool(self.data_path or self.train_data_path)
+
+    def validate(self) -> None:
+        _require(
+            not (self.data_path and self.train_data_path),
+            "--data-path and --train-data-path cannot be combined: use --data-path with --split, "
+            "or --train-data-path (with --valid-data-path, --test-data-path)",
+        )
+        _require(
+            not (self.mock_data and self.real_data),
+            "--mock-data cannot be combined with --data-path or --train-data-path",
+        )
+        _require(
+            self.train_data_path or not (self.valid_data_path or self.test_data_path),
+            "--valid-data-path and --test-data-path need --train-data-path",
+        )
+        flag_used = "--data-path" if self.data_path else "--train-data-path"
+        _require(
+            not self.real_data or self.tokenizer_type is not None,
+            f"{flag_used} needs --tokenizer-type (the vocabulary size comes from the tokenizer)",
+        )
+        if self.vocab_size is not None:
+            _positive(vocab_size=self.vocab_size)
+
+
+@dataclass(frozen=True)
 class Configs:
     """Everything one run needs, validated together against a world size."""
 
@@ -215,7 +319,9 @@ class Configs:
     parallel: ParallelConfig
     training: TrainingConfig
     world_size: int = 1
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     warnings: tuple[str, ...] = field(default=(), compare=False)
+    data: DataConfig = field(default_factory=DataConfig)
 
     @property
     def data_parallel_size(self) -> int:
@@ -223,12 +329,18 @@ class Configs:
 
 
 def validate_configs(
-    model: ModelConfig, parallel: ParallelConfig, training: TrainingConfig, world_size: int
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    training: TrainingConfig,
+    world_size: int,
+    optimizer: OptimizerConfig | None = None,
 ) -> Configs:
     """Check every flag combination; return the settled configs or raise ConfigError.
 
     Settles the one case Megatron only warns about: --sequence-parallel with TP=1 is dropped.
     """
+    optimizer = optimizer or OptimizerConfig()
+    optimizer.validate()
     model.validate()
     parallel.validate(world_size)
     tp = parallel.tensor_model_parallel_size
@@ -256,7 +368,7 @@ def validate_configs(
     )
     for note in notes:
         warnings.warn(note, stacklevel=2)
-    return Configs(model, parallel, training, world_size, tuple(notes))
+    return Configs(model, parallel, training, world_size, optimizer, tuple(notes))
 
 
 def _validate_pipeline(model: ModelConfig, parallel: ParallelConfig, num_microbatches: int) -> None:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from megapipe.distributed.grad_norm import gradient
 from megapipe.parallel.state import Group, ParallelState
 
 
@@ -37,16 +38,23 @@ def _all_reduce_coalesced(
 def tied_embedding_grads(chunks: Sequence[torch.nn.Module]) -> list[torch.Tensor]:
     """Gradients of the tied word-embedding copies this rank holds (first/last stage)."""
     shared = (getattr(chunk, "shared_word_embedding", lambda: None)() for chunk in chunks)
-    return [p.grad for p in shared if p is not None and p.grad is not None]
+    return [gradient(p) for p in shared if p is not None and gradient(p) is not None]
 
 
 def finalize_model_grads(chunks: Sequence[torch.nn.Module], state: ParallelState) -> None:
-    """Sum SP grads over TP, tied-embedding grads over the embedding group, average over DP."""
-    params = [p for chunk in chunks for p in chunk.parameters() if p.grad is not None]
+    """Sum SP grads over TP, tied-embedding grads over the embedding group, average over DP.
+
+    Parameters owned by a GradBuffer (`main_grad`) are averaged over DP by its buckets
+    (`finish_grad_sync`, called before this); only plain `.grad` parameters are averaged here.
+    """
+    params = [p for chunk in chunks for p in chunk.parameters() if gradient(p) is not None]
     sequence_parallel = [
-        p.grad for p in params if getattr(p, "meta", None) is not None and p.meta.sequence_parallel
+        gradient(p)
+        for p in params
+        if getattr(p, "meta", None) is not None and p.meta.sequence_parallel
     ]
     _all_reduce_coalesced(sequence_parallel, state.tp)
     if state.pp.size > 1:
         _all_reduce_coalesced(tied_embedding_grads(chunks), state.embedding)
-    _all_reduce_coalesced([p.grad for p in params], state.dp, 1.0 / state.dp.size)
+    plain = [p.grad for p in params if not hasattr(p, "main_grad")]
+    _all_reduce_coalesced(plain, state.dp, 1.0 / state.dp.size)

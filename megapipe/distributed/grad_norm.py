@@ -15,19 +15,28 @@ import torch.distributed as dist
 from megapipe.parallel.state import ParallelState
 
 
+def counted_in_norm(param: torch.nn.Parameter, tp_rank: int) -> bool:
+    """Whether this rank counts `param` in the norm (each logical element exactly once)."""
+    meta = getattr(param, "meta", None)
+    if meta is None:
+        return tp_rank == 0
+    if meta.copy_of is not None:  # the last stage's tied-embedding copy: counted at the source
+        return False
+    return meta.is_tensor_parallel or tp_rank == 0
+
+
+def gradient(param: torch.nn.Parameter) -> torch.Tensor | None:
+    """The gradient the optimizer uses: the fp32 `main_grad` when a GradBuffer owns the param."""
+    return getattr(param, "main_grad", None) if hasattr(param, "main_grad") else param.grad
+
+
 def global_grad_norm(params: Iterable[torch.nn.Parameter], state: ParallelState) -> float:
     """sqrt(sum of squared gradient entries of the full model), same value on every rank."""
     total = torch.zeros((), dtype=torch.float64, device=state.device)
     for p in params:
-        if p.grad is None:
-            continue
-        meta = getattr(p, "meta", None)
-        if meta is not None and meta.copy_of is not None:
-            continue
-        replicated = meta is None or not meta.is_tensor_parallel
-        if replicated and state.tp.rank != 0:
-            continue
-        total += p.grad.detach().double().pow(2).sum()
+        grad = gradient(p)
+        if grad is not None and counted_in_norm(p, state.tp.rank):
+            total += grad.detach().double().pow(2).sum()
     if state.model_parallel.size > 1:
         dist.all_reduce(total, group=state.model_parallel.pg)
     return float(total.sqrt())

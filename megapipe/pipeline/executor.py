@@ -75,6 +75,7 @@ class PipelineExecutor:
         self.num_stages = state.pp.size * len(self.chunks)
         self.peak_stashed = 0
         self.freed_outputs = 0
+        self.loss_scale = 1.0  # fp16: the loss scaler's current scale
 
     def _free(self, tensor: torch.Tensor) -> None:
         self.freed_outputs += _free_data(tensor)
@@ -97,13 +98,17 @@ class PipelineExecutor:
             first, last = stage == 0, stage == self.num_stages - 1
             batch = get_batch(step.microbatch) if first or last else None
             if first:
-                out = model(tokens=batch.tokens, labels=batch.labels if last else None)
+                out = model(
+                    tokens=batch.tokens,
+                    position_ids=batch.position_ids,  # None unless --reset-position-ids
+                    labels=batch.labels if last else None,
+                )
             else:
                 out = model(hidden_states=inputs[key], labels=batch.labels if last else None)
             if last:
                 loss = masked_mean(out, batch.loss_mask)
                 losses.append(loss.detach())
-                out = loss / self.num_microbatches
+                out = loss * (self.loss_scale / self.num_microbatches)
             outputs[key] = out
             self.peak_stashed = max(self.peak_stashed, len(outputs))
 

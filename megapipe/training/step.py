@@ -1,15 +1,16 @@
 """One training iteration: the pipeline schedule over all micro-batches, then one optimizer step.
 
 The schedule's executor runs every micro-batch's forward and backward (with PP=1 it is plain
-gradient accumulation). Each micro-batch's mean token loss is divided by the number of
-micro-batches before its backward, so the accumulated gradient is that of the mean over the
-rank's share of the global batch; finalize_model_grads then sums sequence-parallel and tied-
-embedding gradients and averages over data-parallel ranks, giving the gradient of the global
-batch's mean loss whatever the layout.
+gradient accumulation); gradient buckets are reduced over DP during or after it. Each
+micro-batch's mean token loss is divided by the number of micro-batches before its backward,
+so the accumulated gradient is that of the mean over the rank's share of the global batch;
+averaging over DP and finalize_model_grads (sequence-parallel and tied-embedding sums) then
+give the gradient of the global batch's mean loss whatever the layout.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -20,7 +21,8 @@ import torch.distributed as dist
 from megapipe.config import Configs
 from megapipe.data.mock import TrainingBatch
 from megapipe.data.sampler import micro_batch_range
-from megapipe.distributed import finalize_model_grads, global_grad_norm
+from megapipe.distributed import finalize_model_grads
+from megapipe.distributed.optimizer import ShardedOptimizer
 from megapipe.parallel.state import ParallelState
 from megapipe.pipeline.executor import PipelineExecutor
 
@@ -40,14 +42,19 @@ class StepResult:
     skipped: bool = False
 
 
+class NonFiniteLossError(RuntimeError):
+    """The loss became NaN or Inf (fp32/bf16): training stops before the weights are touched."""
+
+
 def train_step(
     chunks: Sequence[torch.nn.Module],
-    optimizer: torch.optim.Optimizer,
+    optimizer: ShardedOptimizer,
     executor: PipelineExecutor,
     data: BatchSource,
     configs: Configs,
     state: ParallelState,
     iteration: int,
+    lr: float,
 ) -> StepResult:
     """Run iteration `iteration` (0-based) on this rank's slice of its global batch."""
     training = configs.training
@@ -63,12 +70,21 @@ def train_step(
         )
         return data.batch(indices).to(state.device)
 
+    scaler = optimizer.scaler
+    executor.loss_scale = scaler.scale if scaler is not None else 1.0
     losses = executor.run(get_batch)
+    for buffer in optimizer.buffers:
+        buffer.finish_grad_sync()
     finalize_model_grads(chunks, state)
-    grad_norm = global_grad_norm([p for c in chunks for p in c.parameters()], state)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return StepResult(lm_loss=_global_mean_loss(losses, state), grad_norm=grad_norm)
+    lm_loss = _global_mean_loss(losses, state)
+    if scaler is None and not math.isfinite(lm_loss):
+        raise NonFiniteLossError(
+            f"iteration {iteration + 1}: lm loss is {lm_loss}; stopping before the optimizer "
+            "step, so the weights are those of the previous iteration"
+        )
+    outcome = optimizer.step(lr)
+    optimizer.zero_grad()
+    return StepResult(lm_loss=lm_loss, grad_norm=outcome.grad_norm, skipped=outcome.skipped)
 
 
 def _global_mean_loss(losses: list[torch.Tensor], state: ParallelState) -> float:

@@ -8,6 +8,9 @@ import torch
 
 from megapipe.config import Configs
 from megapipe.data.mock import MockGPTDataset
+from megapipe.distributed.grad_buffer import GradBuffer
+from megapipe.distributed.loss_scaler import make_loss_scaler
+from megapipe.distributed.optimizer import ShardedOptimizer
 from megapipe.model.gpt import GPTModel
 from megapipe.parallel.random import RNGTracker
 from megapipe.parallel.state import ParallelState
@@ -40,6 +43,7 @@ def build_model_chunks_for(configs: Configs, state: ParallelState) -> list[GPTMo
         sequence_parallel=configs.parallel.sequence_parallel,
     )
     for chunk in chunks:
+        chunk.to(configs.optimizer.params_dtype)
         chunk.train()
     return chunks
 
@@ -54,6 +58,35 @@ def stage_map_for(configs: Configs) -> StageMap:
         first=parallel.decoder_first_pipeline_num_layers,
         last=parallel.decoder_last_pipeline_num_layers,
     )
+
+
+def build_optimizer(
+    chunks: list[GPTModel], configs: Configs, state: ParallelState
+) -> ShardedOptimizer:
+    """Gradient buffers for every chunk, and the (possibly sharded) mixed-precision optimizer."""
+    opt = configs.optimizer
+    num_microbatches = configs.training.num_microbatches(state.dp.size)
+    buffers = [
+        GradBuffer(
+            list(chunk.parameters()),
+            state.dp,
+            num_microbatches=num_microbatches,
+            bucket_size=opt.ddp_bucket_size,
+            overlap=opt.overlap_grad_reduce,
+            shard=opt.use_distributed_optimizer,
+            solo=[p for p in [chunk.shared_word_embedding()] if p is not None],
+        )
+        for chunk in chunks
+    ]
+    scaler = make_loss_scaler(
+        fp16=opt.fp16,
+        loss_scale=opt.loss_scale if opt.fp16 else None,
+        initial_loss_scale=opt.initial_loss_scale,
+        min_loss_scale=opt.min_loss_scale,
+        loss_scale_window=opt.loss_scale_window,
+        hysteresis=opt.hysteresis,
+    )
+    return ShardedOptimizer(buffers, state, opt, configs.training.lr, scaler)
 
 
 def build_executor(
@@ -78,6 +111,7 @@ def build_executor(
         actions,
         num_microbatches=num_microbatches,
         activation_shape=shape,
+        dtype=configs.optimizer.params_dtype,
         comm=P2PCommunicator(state.pp, parallel.pipeline_p2p_timeout),
         trace=trace,
     )
@@ -111,7 +145,7 @@ def train(configs: Configs, state: ParallelState) -> list[StepResult]:
     trace_path = configs.parallel.pipeline_trace
     trace = TraceRecorder(state.pp_rank) if trace_path else None
     executor = build_executor(chunks, configs, state, trace)
-    optimizer = torch.optim.Adam(params, lr=training.lr)
+    optimizer = build_optimizer(chunks, configs, state)
     data = MockGPTDataset(configs.model.vocab_size, configs.model.seq_length, training.seed)
     stats = IntervalStats()
     results: list[StepResult] = []
@@ -120,7 +154,9 @@ def train(configs: Configs, state: ParallelState) -> list[StepResult]:
         if trace is not None:
             trace.step = iteration
             executor.trace = trace if iteration <= TRACE_ITERATIONS else None
-        result = train_step(chunks, optimizer, executor, data, configs, state, iteration - 1)
+        result = train_step(
+            chunks, optimizer, executor, data, configs, state, iteration - 1, training.lr
+        )
         results.append(result)
         stats.add({LOSS_NAME: result.lm_loss}, skipped=result.skipped)
         if iteration % training.log_interval == 0:
@@ -133,7 +169,7 @@ def train(configs: Configs, state: ParallelState) -> list[StepResult]:
                 learning_rate=training.lr,
                 global_batch_size=training.global_batch_size,
                 losses=stats.averages(),
-                loss_scale=1.0,
+                loss_scale=optimizer.scaler.scale if optimizer.scaler is not None else 1.0,
                 grad_norm=result.grad_norm,
                 skipped_iterations=stats.skipped_iterations,
                 nan_iterations=stats.nan_iterations,

@@ -1,0 +1,178 @@
+"""Contiguous gradient (and parameter) buffers with buckets reduced over data parallelism.
+
+Each model chunk gets one `GradBuffer`: every parameter's fp32 gradient (`param.main_grad`) and
+its data are views into two flat buffers laid out the same way, split into buckets of about
+`bucket_size` elements, in reverse parameter order (roughly the order backward produces them).
+A post-accumulate-grad hook adds each fresh gradient into `main_grad` and frees `param.grad`.
+
+Synchronisation per bucket, over the data-parallel group, pre-scaled by 1/DP (an average):
+* plain data parallelism: all-reduce; every rank then holds the whole averaged gradient;
+* distributed optimizer (ZeRO-1): reduce-scatter; each rank holds its 1/DP shard of every bucket
+  (buckets are padded to a multiple of DP), steps only that shard, and the parameters are
+  all-gathered afterwards (`all_gather_params`).
+`solo` parameters get a bucket of their own at the start of the buffer: the tied word embedding
+of the first and last pipeline stage, whose gradients are summed over the embedding group after
+the DP reduction, must be sharded identically on both stages for that sum to be right.
+With `overlap`, a bucket's collective starts asynchronously as soon as each of its parameters
+has accumulated all micro-batches' gradients, i.e. during the last micro-batch's backward, and
+`finish_grad_sync` waits for it; without it, all buckets are reduced in `finish_grad_sync`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from megapipe.parallel.mappings import _all_gather_single, _reduce_scatter_single
+from megapipe.parallel.state import Group
+
+DEFAULT_BUCKET_SIZE = 40_000_000  # elements, Megatron-LM's default for --ddp-bucket-size
+
+
+@dataclass
+class Bucket:
+    """A contiguous run of parameters [start, end) of the buffer, reduced by one collective."""
+
+    params: list[torch.nn.Parameter]
+    start: int
+    end: int
+    pending: set[int] = field(default_factory=set)  # ids of params still accumulating
+    started: bool = False
+    work: dist.Work | None = None
+    scattered: torch.Tensor | None = None  # reduce-scatter output until copied into place
+
+    def shard_range(self, dp: Group) -> tuple[int, int]:
+        """This DP rank's [start, end) of the bucket, in buffer coordinates."""
+        size = (self.end - self.start) // dp.size
+        return self.start + dp.rank * size, self.start + (dp.rank + 1) * size
+
+
+class GradBuffer:
+    """The gradients and parameters of one model chunk, in flat bucketed buffers."""
+
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter],
+        dp: Group,
+        *,
+        num_microbatches: int,
+        bucket_size: int | None = None,
+        overlap: bool = False,
+        shard: bool = False,
+        solo: list[torch.nn.Parameter] | None = None,
+    ) -> None:
+        self.dp = dp
+        self.num_microbatches = num_microbatches
+        self.overlap = overlap
+        self.shard = shard
+        self.params = [p for p in params if p.requires_grad]
+        bucket_size = bucket_size or DEFAULT_BUCKET_SIZE
+        pad_to = dp.size if shard else 1
+
+        offsets: dict[int, int] = {}
+        self.buckets: list[Bucket] = []
+        current: list[torch.nn.Parameter] = []
+        start = offset = 0
+        solo_ids = {id(p) for p in solo or []}
+        for param in (p for p in self.params if id(p) in solo_ids):
+            offsets[id(param)] = start
+            offset = -(-(start + param.numel()) // pad_to) * pad_to
+            self.buckets.append(Bucket([param], start, offset))
+            start = offset
+        for param in (p for p in reversed(self.params) if id(p) not in solo_ids):
+            offsets[id(param)] = offset
+            offset += param.numel()
+            current.append(param)
+            if offset - start >= bucket_size:
+                offset = -(-offset // pad_to) * pad_to
+                self.buckets.append(Bucket(current, start, offset))
+                current, start = [], offset
+        if current:
+            offset = -(-offset // pad_to) * pad_to
+            self.buckets.append(Bucket(current, start, offset))
+        self.numel = offset
+
+        device = self.params[0].device if self.params else torch.device("cpu")
+        dtype = self.params[0].dtype if self.params else torch.float32
+        self.grad_data = torch.zeros(self.numel, dtype=torch.float32, device=device)
+        self.param_data = torch.zeros(self.numel, dtype=dtype, device=device)
+        self._bucket_of: dict[int, Bucket] = {}
+        self._accumulated: dict[int, int] = {}
+        for bucket in self.buckets:
+            for param in bucket.params:
+                lo = offsets[id(param)]
+                view = self.param_data[lo : lo + param.numel()].view_as(param)
+                view.copy_(param.data)
+                param.data = view
+                param.main_grad = self.grad_data[lo : lo + param.numel()].view_as(param)
+                param.buffer_offset = lo
+                self._bucket_of[id(param)] = bucket
+                param.register_post_accumulate_grad_hook(self._on_grad)
+        self.reset()
+
+    def reset(self) -> None:
+        """Zero the gradients and rearm every bucket for the next step."""
+        self.grad_data.zero_()
+        self._accumulated = {id(p): 0 for p in self.params}
+        self.started_before_finish = 0  # buckets whose reduction overlapped backward
+        self._finishing = False
+        for bucket in self.buckets:
+            bucket.pending = {id(p) for p in bucket.params}
+            bucket.started = False
+            bucket.work = bucket.scattered = None
+
+    def _on_grad(self, param: torch.nn.Parameter) -> None:
+        param.main_grad.add_(param.grad)
+        param.grad = None
+        self._accumulated[id(param)] += 1
+        if self.overlap and self._accumulated[id(param)] == self.num_microbatches:
+            bucket = self._bucket_of[id(param)]
+            bucket.pending.discard(id(param))
+            if not bucket.pending:
+                self._start(bucket)
+
+    def _start(self, bucket: Bucket) -> None:
+        bucket.started = True
+        self.started_before_finish += not self._finishing
+        if self.dp.size == 1:
+            return
+        data = self.grad_data[bucket.start : bucket.end]
+        data.div_(self.dp.size)
+        if self.shard:
+            bucket.scattered = torch.empty_like(data[: data.numel() // self.dp.size])
+            bucket.work = _reduce_scatter_single(
+                bucket.scattered, data, group=self.dp.pg, async_op=True
+            )
+        else:
+            bucket.work = dist.all_reduce(data, group=self.dp.pg, async_op=True)
+
+    def finish_grad_sync(self) -> None:
+        """Start what has not started, wait for every bucket, put shards in place."""
+        self._finishing = True
+        for bucket in self.buckets:
+            if not bucket.started:
+                self._start(bucket)
+            if bucket.work is not None:
+                bucket.work.wait()
+                bucket.work = None
+            if bucket.scattered is not None:
+                lo, hi = bucket.shard_range(self.dp)
+                self.grad_data[lo:hi].copy_(bucket.scattered)
+                bucket.scattered = None
+
+    def shard_ranges(self) -> list[tuple[int, int]]:
+        """The [start, end) buffer ranges this rank's optimizer owns."""
+        if not self.shard or self.dp.size == 1:
+            return [(0, self.numel)] if self.numel else []
+        return [bucket.shard_range(self.dp) for bucket in self.buckets]
+
+    def all_gather_params(self) -> None:
+        """After a sharded step: every rank receives every other rank's updated shard."""
+        if not self.shard or self.dp.size == 1:
+            return
+        for bucket in self.buckets:
+            lo, hi = bucket.shard_range(self.dp)
+            mine = self.param_data[lo:hi].clone()
+            _all_gather_single(self.param_data[bucket.start : bucket.end], mine, group=self.dp.pg)
