@@ -100,7 +100,7 @@ class PipelineExecutor:
             if first:
                 out = model(
                     tokens=batch.tokens,
-                    position_ids=batch.position_ids,  # None unless --reset-position-ids
+                    position_ids=getattr(batch, "position_ids", None),  # --reset-position-ids
                     labels=batch.labels if last else None,
                 )
             else:
