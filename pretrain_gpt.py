@@ -18,6 +18,7 @@ from megapipe.arguments import PROG, parse_args
 from megapipe.config import ConfigError
 from megapipe.parallel import ParallelState, initialize_distributed
 from megapipe.training import train
+from megapipe.training.step import NonFiniteLossError
 
 
 def _world_size() -> int:
@@ -50,6 +51,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size, device
         )
         train(configs, state)
+    except NonFiniteLossError as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr, flush=True)
+        return 1
     finally:
         dist.destroy_process_group()
     return 0
