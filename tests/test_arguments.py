@@ -356,3 +356,31 @@ def test_help_speaks_megatron(capsys: pytest.CaptureFixture[str]) -> None:
     for name in ("--tensor-model-parallel-size", "--micro-batch-size", "--global-batch-size",
                  "--mock-data", "--num-query-groups", "--sequence-parallel"):  # fmt: skip
         assert name in text
+
+
+# --- optimizer and precision ------------------------------------------------------------------
+
+
+def test_fp16_and_bf16_together() -> None:
+    assert_names(error(fp16=True, bf16=True), "--fp16", "--bf16")
+
+
+def test_negative_clip_grad() -> None:
+    assert_names(error(clip_grad=-1.0), "--clip-grad", "-1.0")
+
+
+def test_unknown_optimizer() -> None:
+    assert_names(error(optimizer="lion"), "--optimizer", "'lion'", "adam", "sgd")
+
+
+def test_adam_beta_out_of_range() -> None:
+    assert_names(error(adam_beta2=1.5), "--adam-beta2", "1.5")
+
+
+def test_optimizer_defaults_follow_megatron() -> None:
+    opt = parse_args(argv(), 1).optimizer
+    assert (opt.optimizer, opt.weight_decay, opt.clip_grad) == ("adam", 0.01, 1.0)
+    assert (opt.adam_beta1, opt.adam_beta2, opt.adam_eps) == (0.9, 0.999, 1e-8)
+    assert (opt.initial_loss_scale, opt.loss_scale_window, opt.hysteresis) == (2.0**32, 1000, 2)
+    assert opt.params_dtype == torch.float32
+    assert parse_args(argv(bf16=True), 1).optimizer.params_dtype == torch.bfloat16

@@ -48,6 +48,25 @@ def _decays(param: torch.nn.Parameter) -> bool:
     return param.dim() > 1
 
 
+def _adamw(
+    groups: list[dict], lr: float, config: OptimizerConfig, device: torch.device
+) -> torch.optim.Optimizer:
+    """torch's fused AdamW on GPUs (one kernel for all tensors), its foreach version on CPUs.
+
+    apex's FusedAdam is not needed: torch's fused implementation is the same algorithm.
+    """
+    betas = (config.adam_beta1, config.adam_beta2)
+    fused = device.type == "cuda"
+    return torch.optim.AdamW(
+        groups,
+        lr=lr,
+        betas=betas,
+        eps=config.adam_eps,
+        fused=fused or None,
+        foreach=None if fused else True,
+    )
+
+
 class ShardedOptimizer:
     """AdamW or SGD with fp32 master weights over this rank's shard of the gradient buffers."""
 
@@ -90,9 +109,7 @@ class ShardedOptimizer:
         ]
         groups = [g for g in groups if g["params"]]
         if config.optimizer == "adam":
-            self.inner = torch.optim.AdamW(
-                groups, lr=lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps
-            )
+            self.inner = _adamw(groups, lr, config, state.device)
         else:
             self.inner = torch.optim.SGD(groups, lr=lr, momentum=config.sgd_momentum)
 
