@@ -126,3 +126,27 @@ def run_distributed(
             f"{len(failures)} of {world_size} ranks failed{extra}; rank {first}:\n{failures[first]}"
         )
     return [values[r] for r in range(world_size)]
+
+
+def train_with_flags(rank: int, world_size: int, argv: list[str]) -> tuple[list, str]:
+    """One rank of `pretrain_gpt.py <argv>`, in-process: (per-iteration StepResults, stdout).
+
+    For `run_distributed(train_with_flags, world_size, argv)`: every parity test of the training
+    product drives the same code path as the command line.
+    """
+    import contextlib
+    import io
+
+    from megapipe.arguments import parse_args
+    from megapipe.parallel.state import ParallelState
+    from megapipe.training import train
+
+    configs = parse_args(argv, world_size)
+    parallel = configs.parallel
+    state = ParallelState.build(
+        parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    )
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        results = train(configs, state)
+    return results, out.getvalue()

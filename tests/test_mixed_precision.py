@@ -9,8 +9,6 @@ accumulation moves the loss by far more within a few Adam steps.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import re
 import subprocess
 import sys
@@ -21,8 +19,7 @@ import torch._dynamo  # noqa: F401  (imported once here so that forked ranks inh
 
 from megapipe.arguments import parse_args
 from megapipe.parallel import ParallelState
-from megapipe.testing import run_distributed
-from megapipe.training import train
+from megapipe.testing import run_distributed, train_with_flags
 from megapipe.training.step import NonFiniteLossError
 
 TINY = [
@@ -34,15 +31,8 @@ TINY = [
 
 
 def _train(rank: int, world: int, extra: list[str]):
-    configs = parse_args(TINY + extra, world)
-    parallel = configs.parallel
-    state = ParallelState.build(
-        parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-    )
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        results = train(configs, state)
-    return ([r.lm_loss for r in results], [r.skipped for r in results], out.getvalue())
+    results, out = train_with_flags(rank, world, TINY + extra)
+    return [r.lm_loss for r in results], [r.skipped for r in results], out
 
 
 @pytest.fixture(scope="module")

@@ -7,16 +7,10 @@ one-rank run to 1e-5 relative (measured: ~1e-7). Small buckets force several buc
 
 from __future__ import annotations
 
-import contextlib
-import io
-
 import pytest
 import torch._dynamo  # noqa: F401  (imported once here so that forked ranks inherit it)
 
-from megapipe.arguments import parse_args
-from megapipe.parallel import ParallelState
-from megapipe.testing import run_distributed
-from megapipe.training import train
+from megapipe.testing import run_distributed, train_with_flags
 
 BASE = [
     "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -28,13 +22,7 @@ BASE = [
 
 
 def _train(rank: int, world_size: int, extra: list[str]):
-    configs = parse_args(BASE + extra, world_size)
-    parallel = configs.parallel
-    state = ParallelState.build(
-        parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-    )
-    with contextlib.redirect_stdout(io.StringIO()):
-        results = train(configs, state)
+    results, _ = train_with_flags(rank, world_size, BASE + extra)
     return [r.lm_loss for r in results], [r.grad_norm for r in results]
 
 

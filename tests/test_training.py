@@ -6,16 +6,10 @@ per-iteration loss and grad norm as one rank does (fp32 rounding apart).
 
 from __future__ import annotations
 
-import contextlib
-import io
-
 import pytest
 import torch._dynamo  # noqa: F401  (see below)
 
-from megapipe.arguments import parse_args
-from megapipe.parallel import ParallelState
-from megapipe.testing import run_distributed
-from megapipe.training import train
+from megapipe.testing import run_distributed, train_with_flags
 
 # torch.optim.Optimizer.__init__ imports torch._dynamo on first use (seconds of CPU); importing it
 # here, once, lets every forked rank inherit it instead of paying for it again.
@@ -29,15 +23,8 @@ TINY = [
 
 
 def _train(rank: int, world_size: int, extra: list[str]) -> tuple[list[float], list[float], str]:
-    configs = parse_args(TINY + extra, world_size)
-    parallel = configs.parallel
-    state = ParallelState.build(
-        parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-    )
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        results = train(configs, state)
-    return [r.lm_loss for r in results], [r.grad_norm for r in results], out.getvalue()
+    results, out = train_with_flags(rank, world_size, TINY + extra)
+    return [r.lm_loss for r in results], [r.grad_norm for r in results], out
 
 
 def _single(extra: list[str]) -> tuple[list[float], list[float], str]:
