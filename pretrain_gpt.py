@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from megapipe.arguments import PROG, parse_args
 from megapipe.config import ConfigError
+from megapipe.data.errors import DataError
 from megapipe.parallel import ParallelState, initialize_distributed
 from megapipe.training import train
 from megapipe.training.step import NonFiniteLossError
@@ -51,7 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size, device
         )
         train(configs, state)
-    except NonFiniteLossError as error:
+    except (NonFiniteLossError, DataError) as error:
         print(f"{PROG}: error: {error}", file=sys.stderr, flush=True)
         return 1
     finally:

@@ -18,7 +18,17 @@ setup(
         "tqdm>=4.60",
     ],
     extras_require={
-        "dev": ["pytest>=7", "pytest-timeout>=2.1", "ruff>=0.5", "hypothesis>=6"],
+        # tokenizers: HuggingFaceTokenizer at run time; in dev, the oracle the GPT-2 BPE is
+        # tested against (tests skip those checks without it).
+        "dev": [
+            "pytest>=7",
+            "pytest-timeout>=2.1",
+            "ruff>=0.5",
+            "hypothesis>=6",
+            "tokenizers>=0.15",
+            "matplotlib>=3.7",  # tools/plot_schedule.py only; megapipe never imports it
+        ],
+        "hf": ["tokenizers>=0.15"],
         "gpu": ["triton>=2.3"],
     },
     py_modules=["pretrain_gpt"],

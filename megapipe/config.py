@@ -261,6 +261,57 @@ class TrainingConfig:
 
 
 @dataclass(frozen=True)
+class DataConfig:
+    """Where training samples come from: Megatron's data, tokenizer and masking flags.
+
+    `data_path` and the per-split paths hold the words as given (`0.3 A 0.7 B` blends by
+    weight); the files themselves are checked by megapipe.data when the flags are parsed.
+    """
+
+    mock_data: bool = False
+    data_path: tuple[str, ...] = ()
+    split: str = "969, 30, 1"
+    train_data_path: tuple[str, ...] = ()
+    valid_data_path: tuple[str, ...] = ()
+    test_data_path: tuple[str, ...] = ()
+    data_cache_path: str | None = None
+    tokenizer_type: str | None = None
+    tokenizer_model: str | None = None
+    vocab_file: str | None = None
+    merge_file: str | None = None
+    vocab_size: int | None = None  # NullTokenizer's, or the mock data's without a tokenizer
+    eod_mask_loss: bool = False
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+
+    @property
+    def real_data(self) -> bool:
+        return bool(self.data_path or self.train_data_path)
+
+    def validate(self) -> None:
+        _require(
+            not (self.data_path and self.train_data_path),
+            "--data-path and --train-data-path cannot be combined: use --data-path with --split, "
+            "or --train-data-path (with --valid-data-path, --test-data-path)",
+        )
+        _require(
+            not (self.mock_data and self.real_data),
+            "--mock-data cannot be combined with --data-path or --train-data-path",
+        )
+        _require(
+            self.train_data_path or not (self.valid_data_path or self.test_data_path),
+            "--valid-data-path and --test-data-path need --train-data-path",
+        )
+        flag_used = "--data-path" if self.data_path else "--train-data-path"
+        _require(
+            not self.real_data or self.tokenizer_type is not None,
+            f"{flag_used} needs --tokenizer-type (the vocabulary size comes from the tokenizer)",
+        )
+        if self.vocab_size is not None:
+            _positive(vocab_size=self.vocab_size)
+
+
+@dataclass(frozen=True)
 class Configs:
     """Everything one run needs, validated together against a world size."""
 
@@ -270,6 +321,7 @@ class Configs:
     world_size: int = 1
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     warnings: tuple[str, ...] = field(default=(), compare=False)
+    data: DataConfig = field(default_factory=DataConfig)
 
     @property
     def data_parallel_size(self) -> int:

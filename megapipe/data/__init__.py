@@ -1,6 +1,28 @@
-"""Training data: which global samples a rank reads, and the datasets that produce them."""
+"""Training data: indexed datasets (.bin/.idx), tokenizers, GPT samples, blends, batches.
 
-from megapipe.data.mock import MockGPTDataset, TrainingBatch
-from megapipe.data.sampler import micro_batch_range
+Names are imported lazily so that tools which only read or write datasets do not import torch.
+"""
 
-__all__ = ["MockGPTDataset", "TrainingBatch", "micro_batch_range"]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "MockGPTDataset": "megapipe.data.mock",
+    "TrainingBatch": "megapipe.data.mock",
+    "micro_batch_range": "megapipe.data.sampler",
+    "IndexedDataset": "megapipe.data.indexed_dataset",
+    "IndexedDatasetBuilder": "megapipe.data.indexed_builder",
+    "DataError": "megapipe.data.errors",
+    "IndexedDatasetError": "megapipe.data.errors",
+    "TokenizerError": "megapipe.data.errors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'megapipe.data' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

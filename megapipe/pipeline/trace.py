@@ -45,8 +45,12 @@ class TraceRecorder:
         )
 
 
-def chrome_trace(events_per_rank: list[list[dict]]) -> dict:
-    """One Chrome-trace document; timestamps shifted so the earliest event starts at 0."""
+def chrome_trace(events_per_rank: list[list[dict]], metadata: dict | None = None) -> dict:
+    """One Chrome-trace document; timestamps shifted so the earliest event starts at 0.
+
+    metadata (the schedule and its sizes) goes to `otherData`, which trace viewers show and
+    tools/plot_schedule.py reads for its title.
+    """
     events = [e for rank_events in events_per_rank for e in rank_events]
     origin = min((e["ts"] for e in events), default=0.0)
     shifted = [{**e, "ts": round(e["ts"] - origin, 3), "dur": round(e["dur"], 3)} for e in events]
@@ -60,7 +64,10 @@ def chrome_trace(events_per_rank: list[list[dict]]) -> dict:
         }
         for r in range(len(events_per_rank))
     ]
-    return {"traceEvents": names + shifted, "displayTimeUnit": "ms"}
+    document = {"traceEvents": names + shifted, "displayTimeUnit": "ms"}
+    if metadata:
+        document["otherData"] = metadata
+    return document
 
 
 def write_json_atomically(path: str, document: dict) -> None:
@@ -79,9 +86,14 @@ def write_json_atomically(path: str, document: dict) -> None:
         raise
 
 
-def gather_and_write(recorder: TraceRecorder, path: str, pp_group_ranks: tuple[int, ...]) -> None:
+def gather_and_write(
+    recorder: TraceRecorder,
+    path: str,
+    pp_group_ranks: tuple[int, ...],
+    metadata: dict | None = None,
+) -> None:
     """Collective over the world: rank 0 writes the trace of the pipeline `pp_group_ranks`."""
     gathered: list = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
     dist.gather_object(recorder.events, gathered if dist.get_rank() == 0 else None, dst=0)
     if dist.get_rank() == 0:
-        write_json_atomically(path, chrome_trace([gathered[r] for r in pp_group_ranks]))
+        write_json_atomically(path, chrome_trace([gathered[r] for r in pp_group_ranks], metadata))

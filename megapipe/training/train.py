@@ -7,7 +7,7 @@ import time
 import torch
 
 from megapipe.config import Configs
-from megapipe.data.mock import MockGPTDataset
+from megapipe.data.sources import build_batch_source
 from megapipe.distributed.grad_buffer import GradBuffer
 from megapipe.distributed.loss_scaler import make_loss_scaler
 from megapipe.distributed.optimizer import ShardedOptimizer
@@ -117,6 +117,17 @@ def build_executor(
     )
 
 
+def _trace_metadata(configs: Configs, state: ParallelState) -> dict:
+    """What a trace's reader needs to title it: the schedule and its sizes."""
+    parallel = configs.parallel
+    return {
+        "schedule": parallel.schedule,
+        "pipeline_size": parallel.pipeline_model_parallel_size,
+        "virtual_stages": parallel.virtual_pipeline_model_parallel_size,
+        "num_microbatches": configs.training.num_microbatches(state.dp.size),
+    }
+
+
 def _now(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -146,7 +157,7 @@ def train(configs: Configs, state: ParallelState) -> list[StepResult]:
     trace = TraceRecorder(state.pp_rank) if trace_path else None
     executor = build_executor(chunks, configs, state, trace)
     optimizer = build_optimizer(chunks, configs, state)
-    data = MockGPTDataset(configs.model.vocab_size, configs.model.seq_length, training.seed)
+    data = build_batch_source(configs)  # mock samples, or --data-path's (rank 0 builds indices)
     stats = IntervalStats()
     results: list[StepResult] = []
     interval_start = _now(state.device)
@@ -178,6 +189,6 @@ def train(configs: Configs, state: ParallelState) -> list[StepResult]:
             stats.reset()
             interval_start = now
     if trace is not None:
-        gather_and_write(trace, trace_path, state.pp.ranks)
+        gather_and_write(trace, trace_path, state.pp.ranks, _trace_metadata(configs, state))
         print_rank_0(state, f"pipeline trace written to {trace_path}")
     return results

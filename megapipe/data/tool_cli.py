@@ -1,0 +1,53 @@
+"""What the data tools share on the command line: tokenizer flags and one-line error exits."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from megapipe.data.errors import DataError
+from megapipe.data.tokenizers import TOKENIZER_TYPES, TokenizerSpec
+
+
+def add_tokenizer_args(parser: argparse.ArgumentParser, required: bool = True) -> None:
+    """Megatron's tokenizer flags."""
+    group = parser.add_argument_group("tokenizer")
+    group.add_argument(
+        "--tokenizer-type",
+        required=required,
+        choices=TOKENIZER_TYPES,
+        help="What type of tokenizer to use.",
+    )
+    group.add_argument(
+        "--tokenizer-model", help="SentencePiece model, or HF tokenizer.json / directory."
+    )
+    group.add_argument("--vocab-file", help="Path to the GPT-2 vocab.json.")
+    group.add_argument("--merge-file", help="Path to the GPT-2 merges.txt.")
+    group.add_argument("--vocab-size", type=int, help="Vocabulary size for NullTokenizer.")
+    group.add_argument(
+        "--vocab-extra-ids", type=int, default=0, help="<extra_id_N> tokens (SentencePiece)."
+    )
+
+
+def tokenizer_spec(args: argparse.Namespace) -> TokenizerSpec:
+    return TokenizerSpec(
+        tokenizer_type=args.tokenizer_type,
+        tokenizer_model=args.tokenizer_model,
+        vocab_file=args.vocab_file,
+        merge_file=args.merge_file,
+        vocab_size=args.vocab_size,
+        vocab_extra_ids=args.vocab_extra_ids,
+    )
+
+
+def run_tool(prog: str, main: Callable[[Sequence[str] | None], int], argv=None) -> int:
+    """Run `main`; bad data becomes one line on stderr and exit status 1, Ctrl-C status 130."""
+    try:
+        return main(argv)
+    except (DataError, OSError) as error:  # bad input, or a full disk: one line, no output
+        print(f"{prog}: error: {error}", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted; no output written", file=sys.stderr, flush=True)
+        return 130

@@ -1,0 +1,143 @@
+"""Timelines: boxes from the simulator and from a real trace, and tools/plot_schedule.py's PNG."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch._dynamo  # noqa: F401  (imported once here so forked ranks inherit it)
+
+from megapipe.arguments import parse_args
+from megapipe.parallel import ParallelState
+from megapipe.pipeline.schedules import Comm, Compute, build_schedule
+from megapipe.pipeline.simulator import simulate_kind
+from megapipe.pipeline.timeline import (
+    TraceFormatError,
+    boxes_from_simulation,
+    boxes_from_trace,
+    measured_timeline,
+    simulated_timeline,
+    trace_steps,
+)
+from megapipe.testing import run_distributed
+from megapipe.training import train
+
+ROOT = Path(__file__).resolve().parents[1]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+M = 4  # micro-batches of the traced run: global batch 8 / micro-batch 2
+TRACED = [
+    "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
+    "--seq-length", "16", "--mock-data", "--vocab-size", "256",
+    "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "2", "--lr", "3e-3",
+    "--log-interval", "1", "--pipeline-model-parallel-size", "2",
+    "--num-layers-per-virtual-pipeline-stage", "1",
+]  # fmt: skip
+
+
+def _load_tool():
+    spec = importlib.util.spec_from_file_location("plot_schedule", ROOT / "tools/plot_schedule.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    "kind,p,v,m",
+    [("1f1b", 4, 1, 8), ("gpipe", 2, 1, 3), ("interleaved-1f1b", 4, 2, 8), ("1f1b", 4, 1, 2)],
+)
+def test_simulated_boxes_cover_every_chunk_once_without_overlap(kind, p, v, m) -> None:
+    boxes = boxes_from_simulation(simulate_kind(kind, p, v, m))
+    expected = sorted((ph, i, c) for ph in "FB" for i in range(m) for c in range(v))
+    for rank in range(p):
+        row = sorted((b for b in boxes if b.rank == rank), key=lambda b: b.start)
+        assert sorted((b.kind, b.microbatch, b.chunk) for b in row) == expected
+        assert all(b.duration > 0 for b in row)
+        assert all(a.end <= b.start + 1e-9 for a, b in zip(row, row[1:]))
+
+
+def test_simulated_timeline_title_states_the_bubble() -> None:
+    timeline = simulated_timeline("interleaved-1f1b", 4, 2, 8)
+    assert "p=4, v=2, m=8" in timeline.title
+    assert "bubble 18.8%" in timeline.title  # (p-1)/(v*m) = 3/16
+    assert timeline.boxes[0].label(timeline.num_chunks).count(".") == 1  # "3.1" labels
+
+
+def _train_with_trace(rank: int, world_size: int, path: str) -> None:
+    configs = parse_args(TRACED + ["--pipeline-trace", path], world_size)
+    state = ParallelState.build(1, configs.parallel.pipeline_model_parallel_size)
+    with contextlib.redirect_stdout(io.StringIO()):
+        train(configs, state)
+
+
+@pytest.fixture(scope="module")
+def trace_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The trace of a real 2-rank interleaved (v=2) run of two iterations."""
+    path = tmp_path_factory.mktemp("trace") / "trace.json"
+    run_distributed(_train_with_trace, 2, str(path), timeout=120)
+    return path
+
+
+def test_trace_is_a_chrome_trace(trace_path: Path) -> None:
+    document = json.loads(trace_path.read_text())
+    events = [e for e in document["traceEvents"] if e["ph"] == "X"]
+    assert events and all(isinstance(e["ts"], float | int) for e in events)
+    assert all(e["dur"] >= 0 and e["tid"] in (0, 1) for e in events)
+    assert {e["cat"] for e in events} == {"forward", "backward", "comm"}
+    assert document["otherData"]["schedule"] == "interleaved-1f1b"
+
+
+def test_trace_boxes_hold_every_action_of_every_traced_step(trace_path: Path) -> None:
+    document = json.loads(trace_path.read_text())
+    assert trace_steps(document) == [1, 2]
+    for step in (1, 2):
+        boxes = boxes_from_trace(document, step)
+        assert all(b.duration > 0 for b in boxes)
+        for rank in (0, 1):
+            actions = build_schedule("interleaved-1f1b", 2, 2, M, rank)
+            row = [b for b in boxes if b.rank == rank]
+            computes = sorted((b.kind, b.microbatch, b.chunk) for b in row if b.kind != "comm")
+            expected = [(a.phase, a.microbatch, a.chunk) for a in actions if isinstance(a, Compute)]
+            assert computes == sorted(expected)
+            assert sum(b.kind == "comm" for b in row) == sum(isinstance(a, Comm) for a in actions)
+            starts = [b.start for b in row]  # recorded in schedule order, one after another
+            assert starts == sorted(starts)
+    timeline = measured_timeline(document)
+    assert "interleaved-1f1b, p=2, v=2, m=4 (measured, iteration 2" in timeline.title
+    with pytest.raises(TraceFormatError, match=r"no step 7; it recorded steps \[1, 2\]"):
+        boxes_from_trace(document, 7)
+
+
+def test_cli_writes_png_from_simulation_and_trace(tmp_path: Path, trace_path: Path) -> None:
+    tool = _load_tool()
+    simulated, measured = tmp_path / "sim.png", tmp_path / "measured.png"
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert tool.main(["--schedule", "1f1b", "--pp", "2", "--output", str(simulated)]) == 0
+        assert tool.main(["--trace", str(trace_path), "--output", str(measured)]) == 0
+    for png in (simulated, measured):
+        data = png.read_bytes()
+        assert data.startswith(PNG_MAGIC) and len(data) > 1000
+
+
+def test_cli_errors_are_one_line(tmp_path: Path, capsys, monkeypatch) -> None:
+    tool = _load_tool()
+    out = str(tmp_path / "x.png")
+    bad = ["--schedule", "interleaved-1f1b", "--pp", "4", "--vp", "2", "--microbatches", "6"]
+    assert tool.main(bad + ["--output", out]) == 1
+    (tmp_path / "t.json").write_text("{}")
+    assert tool.main(["--trace", str(tmp_path / "t.json"), "--output", out]) == 1
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "matplotlib" else real_find_spec(name, *a),
+    )
+    assert tool.main(["--schedule", "1f1b", "--output", out]) == 1
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 3 and all(line.startswith("plot_schedule.py: error: ") for line in lines)
+    assert "multiple of --pipeline-model-parallel-size" in lines[0]
+    assert "no traceEvents" in lines[1] and "matplotlib is not installed" in lines[2]
+    assert not (tmp_path / "x.png").exists()

@@ -1,0 +1,70 @@
+"""Draw a pipeline schedule as a PNG timeline, simulated or measured.
+
+    python tools/plot_schedule.py --schedule interleaved-1f1b --pp 4 --vp 2 --microbatches 8 \\
+        --output docs/schedule_interleaved_sim.png
+    python tools/plot_schedule.py --trace /tmp/trace.json --output docs/schedule_1f1b_measured.png
+
+A simulated schedule uses the simulator's cost model (forward 1/v, backward 2/v per chunk,
+free transfers); a trace is the Chrome-trace JSON written by `pretrain_gpt.py --pipeline-trace`,
+of which one iteration is drawn (`--step`, default the last recorded). Needs matplotlib
+(`pip install -e ".[dev]"`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from collections.abc import Sequence
+
+from megapipe.config import ConfigError
+from megapipe.pipeline.schedules import SCHEDULE_KINDS
+from megapipe.pipeline.timeline import (
+    TraceFormatError,
+    load_trace,
+    measured_timeline,
+    simulated_timeline,
+)
+
+PROG = "plot_schedule.py"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--schedule", choices=SCHEDULE_KINDS, help="Simulate this schedule.")
+    source.add_argument("--trace", help="Chrome-trace JSON written by --pipeline-trace.")
+    parser.add_argument("--pp", type=int, default=4, help="Pipeline ranks (simulated). Default 4.")
+    parser.add_argument("--vp", type=int, default=1, help="Chunks per rank (simulated). Default 1.")
+    parser.add_argument("--microbatches", type=int, default=8, help="Simulated. Default 8.")
+    parser.add_argument("--step", type=int, help="Trace iteration to draw (default: the last).")
+    parser.add_argument("--output", required=True, help="PNG file to write.")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if importlib.util.find_spec("matplotlib") is None:
+        print(
+            f"{PROG}: error: matplotlib is not installed "
+            '(pip install matplotlib, or pip install -e ".[dev]")',
+            file=sys.stderr,
+        )
+        return 1
+    from megapipe.pipeline.timeline_plot import draw_timeline
+
+    try:
+        if args.trace:
+            timeline = measured_timeline(load_trace(args.trace), args.step)
+        else:
+            timeline = simulated_timeline(args.schedule, args.pp, args.vp, args.microbatches)
+    except (ConfigError, TraceFormatError) as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return 1
+    draw_timeline(timeline, args.output)
+    print(f"{PROG}: wrote {args.output} ({timeline.title.splitlines()[0]})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
