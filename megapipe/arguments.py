@@ -348,6 +348,47 @@ def _add_optimizer_args(group: argparse._ArgumentGroup) -> None:
         default=2,
         help="Overflows tolerated before the dynamic loss scale backs off. Default: 2.",
     )
+    add(
+        "--min-lr",
+        type=float,
+        default=0.0,
+        help="Minimum learning rate the decay reaches. Default: 0.",
+    )
+    add(
+        "--lr-decay-style",
+        default="linear",
+        help="constant, linear, cosine, inverse-square-root or WSD. Default: linear.",
+    )
+    add(
+        "--lr-decay-iters",
+        type=int,
+        default=None,
+        help="Iterations to decay over. Default: --train-iters.",
+    )
+    add("--lr-warmup-iters", type=int, default=0, help="Iterations of linear warmup. Default: 0.")
+    add(
+        "--lr-warmup-fraction",
+        type=float,
+        default=None,
+        help="Warmup as a fraction of --lr-decay-iters (instead of --lr-warmup-iters).",
+    )
+    add(
+        "--lr-warmup-init",
+        type=float,
+        default=0.0,
+        help="Learning rate at the start of warmup. Default: 0.",
+    )
+    add(
+        "--lr-wsd-decay-iters",
+        type=int,
+        default=None,
+        help="WSD: iterations of the final decay phase.",
+    )
+    add(
+        "--lr-wsd-decay-style",
+        default="exponential",
+        help="WSD decay: exponential, linear, cosine or minus_sqrt. Default: exponential.",
+    )
 
 
 def _add_data_args(group: argparse._ArgumentGroup) -> None:
@@ -559,6 +600,14 @@ def parse_args(argv: Sequence[str] | None, world_size: int) -> Configs:
         lr=args.lr,
         seed=args.seed,
         log_interval=args.log_interval,
+        min_lr=args.min_lr,
+        lr_decay_style=args.lr_decay_style,
+        lr_decay_iters=args.lr_decay_iters,
+        lr_warmup_iters=args.lr_warmup_iters,
+        lr_warmup_fraction=args.lr_warmup_fraction,
+        lr_warmup_init=args.lr_warmup_init,
+        lr_wsd_decay_iters=args.lr_wsd_decay_iters,
+        lr_wsd_decay_style=args.lr_wsd_decay_style,
         mock_data=args.mock_data,
     )
     optimizer = OptimizerConfig(

@@ -238,6 +238,32 @@ class TrainingConfig:
     seed: int = 1234
     log_interval: int = 100
     mock_data: bool = True
+    min_lr: float = 0.0
+    lr_decay_style: str = "linear"
+    lr_decay_iters: int | None = None  # None: --train-iters
+    lr_warmup_iters: int = 0
+    lr_warmup_fraction: float | None = None
+    lr_warmup_init: float = 0.0
+    lr_wsd_decay_iters: int | None = None
+    lr_wsd_decay_style: str = "exponential"
+
+    def lr_schedule(self):  # -> megapipe.training.lr_schedule.LRSchedule
+        """The learning-rate schedule these flags describe (ConfigError if they conflict)."""
+        from megapipe.training.lr_schedule import resolve_schedule
+
+        return resolve_schedule(
+            lr=self.lr,
+            min_lr=self.min_lr,
+            train_iters=self.train_iters,
+            lr_decay_iters=self.lr_decay_iters,
+            lr_warmup_iters=self.lr_warmup_iters,
+            lr_warmup_fraction=self.lr_warmup_fraction,
+            lr_decay_style=self.lr_decay_style,
+            lr_wsd_decay_iters=self.lr_wsd_decay_iters,
+            lr_wsd_decay_style=self.lr_wsd_decay_style,
+            lr_warmup_init=self.lr_warmup_init,
+            global_batch_size=self.global_batch_size,
+        )
 
     def num_microbatches(self, data_parallel_size: int) -> int:
         per_step = self.micro_batch_size * data_parallel_size
@@ -258,6 +284,7 @@ class TrainingConfig:
         )
         _require(self.lr >= 0, f"--lr must not be negative, got {self.lr}")
         self.num_microbatches(data_parallel_size)
+        self.lr_schedule()
 
 
 @dataclass(frozen=True)

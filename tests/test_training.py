@@ -120,3 +120,17 @@ def test_interleaved_pipeline_matches_one_rank() -> None:
     results = run_distributed(_train, 2, interleaved, timeout=120)
     _assert_matches(results, losses, norms)
     assert "pipeline layer map" in results[0][2]  # rank 0 printed which layers each chunk owns
+
+
+def test_learning_rate_schedule_reaches_the_optimizer_and_the_log() -> None:
+    flags = ["--lr-warmup-iters", "2", "--lr-decay-style", "cosine", "--min-lr", "1e-4",
+             "--log-interval", "1"]  # fmt: skip
+    results, out = run_distributed(train_with_flags, 1, TINY + flags)[0]
+    logged = [float(line.split("learning rate: ")[1].split(" ")[0])
+              for line in out.splitlines() if line.startswith(" iteration")]  # fmt: skip
+    peak, low = 3e-3, 1e-4  # warmup to --lr over 2 iterations, then half a cosine to --min-lr
+    assert logged == pytest.approx([peak / 2, peak, (peak + low) / 2, low], rel=1e-6)
+    frozen = run_distributed(train_with_flags, 1, TINY + ["--lr", "0"])[0][0]
+    # Megatron's first warmup step uses lr 0: the second iteration still sees the initial weights
+    assert results[1].lm_loss == pytest.approx(frozen[1].lm_loss, rel=1e-6)
+    assert results[2].lm_loss != pytest.approx(frozen[2].lm_loss, rel=1e-6)

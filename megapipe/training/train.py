@@ -160,15 +160,25 @@ def train(configs: Configs, state: ParallelState) -> list[StepResult]:
     data = build_batch_source(configs)  # mock samples, or --data-path's (rank 0 builds indices)
     stats = IntervalStats()
     results: list[StepResult] = []
+    schedule = training.lr_schedule()
+    updates = 0  # successful optimizer steps: what the learning-rate schedule counts
     interval_start = _now(state.device)
     for iteration in range(1, training.train_iters + 1):
         if trace is not None:
             trace.step = iteration
             executor.trace = trace if iteration <= TRACE_ITERATIONS else None
         result = train_step(
-            chunks, optimizer, executor, data, configs, state, iteration - 1, training.lr
+            chunks,
+            optimizer,
+            executor,
+            data,
+            configs,
+            state,
+            iteration - 1,
+            schedule.lr_at(updates),
         )
         results.append(result)
+        updates += not result.skipped  # Megatron's scheduler does not advance on skipped steps
         stats.add({LOSS_NAME: result.lm_loss}, skipped=result.skipped)
         if iteration % training.log_interval == 0:
             now = _now(state.device)
@@ -177,7 +187,7 @@ def train(configs: Configs, state: ParallelState) -> list[StepResult]:
                 train_iters=training.train_iters,
                 consumed_samples=iteration * training.global_batch_size,
                 elapsed_ms_per_iteration=(now - interval_start) * 1000.0 / stats.iterations,
-                learning_rate=training.lr,
+                learning_rate=schedule.lr_at(updates),
                 global_batch_size=training.global_batch_size,
                 losses=stats.averages(),
                 loss_scale=optimizer.scaler.scale if optimizer.scaler is not None else 1.0,

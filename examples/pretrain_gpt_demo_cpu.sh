@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The README's first command: train a small GPT on real English on a CPU machine, nothing
+# downloaded. Builds a corpus from text that ships with Python, trains a SentencePiece
+# tokenizer on it, preprocesses it into Megatron's .bin/.idx format, and trains with a 2-stage
+# pipeline over 2 CPU ranks (gloo). Override the run directory or rank count with
+#   RUN_DIR=... NPROC=... bash examples/pretrain_gpt_demo_cpu.sh [extra pretrain_gpt.py flags]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+RUN_DIR=${RUN_DIR:-runs/demo}
+NPROC=${NPROC:-2}
+mkdir -p "$RUN_DIR"
+
+python tools/make_demo_corpus.py --output "$RUN_DIR/corpus.jsonl"
+python tools/train_tokenizer.py --input "$RUN_DIR/corpus.jsonl" --output-prefix "$RUN_DIR/tok" \
+    --vocab-size 4000
+python tools/preprocess_data.py --input "$RUN_DIR/corpus.jsonl" \
+    --output-prefix "$RUN_DIR/corpus" --tokenizer-type GPTSentencePieceTokenizer \
+    --tokenizer-model "$RUN_DIR/tok.model" --append-eod --workers 2
+
+OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node "$NPROC" pretrain_gpt.py \
+    --pipeline-model-parallel-size 2 --num-layers 4 --hidden-size 128 \
+    --num-attention-heads 4 --seq-length 128 --max-position-embeddings 128 \
+    --micro-batch-size 4 --global-batch-size 16 --train-iters 60 --lr 1e-3 \
+    --lr-decay-style cosine --lr-warmup-iters 6 --min-lr 1e-4 --log-interval 10 \
+    --attention-dropout 0.0 --hidden-dropout 0.0 \
+    --data-path "$RUN_DIR/corpus_text_document" --split 98,2,0 \
+    --tokenizer-type GPTSentencePieceTokenizer --tokenizer-model "$RUN_DIR/tok.model" \
+    --data-cache-path "$RUN_DIR/cache" "$@"
