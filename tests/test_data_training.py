@@ -20,7 +20,8 @@ from megapipe.training import train
 MODEL = [
     "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
     "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
-    "--lr", "3e-3", "--attention-dropout", "0", "--hidden-dropout", "0", "--log-interval", "1",
+    "--lr", "3e-3", "--lr-decay-style", "constant", "--attention-dropout", "0",
+    "--hidden-dropout", "0", "--log-interval", "1",
 ]  # fmt: skip
 
 

@@ -1,0 +1,166 @@
+"""Megatron-LM command-line flags -> validated configs. The only package that knows flag names.
+
+`parse_args` never exits (except for `-h`): every problem, from an unknown flag to heads that do
+not split over TP, is a `ConfigError` whose one-line message names the flags and their values,
+so `pretrain_gpt.py` can print it identically on every rank before any process group exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import warnings
+from collections.abc import Sequence
+from typing import NoReturn
+
+import torch
+
+from megapipe.arguments.data_flags import NO_DATASET, add_data_args, data_config
+from megapipe.arguments.model_flags import add_network_args, add_regularization_args
+from megapipe.arguments.parallel_flags import add_distributed_args, virtual_stages
+from megapipe.arguments.training_flags import add_optimizer_args, add_training_args
+from megapipe.config import (
+    ConfigError,
+    Configs,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    TrainingConfig,
+    validate_configs,
+)
+from megapipe.parallel.initialize import default_backend
+
+PROG = "pretrain_gpt.py"
+__all__ = ["NO_DATASET", "PROG", "build_parser", "parse_args"]
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises ConfigError instead of printing usage and exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser, with Megatron-LM's flag names, defaults and help texts."""
+    parser = _Parser(
+        prog=PROG,
+        description="Pre-train a GPT model with tensor, pipeline and data parallelism "
+        "(Megatron-LM flags). Launch with `torchrun --nproc_per_node N pretrain_gpt.py ...` "
+        "or, for one rank, `python pretrain_gpt.py ...`.",
+        allow_abbrev=False,
+    )
+    add_network_args(parser.add_argument_group("network size"))
+    add_regularization_args(parser.add_argument_group("regularization"))
+    add_distributed_args(parser.add_argument_group("distributed"))
+    add_training_args(parser.add_argument_group("training"))
+    add_optimizer_args(parser.add_argument_group("optimizer and mixed precision"))
+    add_data_args(parser.add_argument_group("data"))
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None, world_size: int) -> Configs:
+    """Parse Megatron-LM flags (`sys.argv[1:]` when `argv` is None) and validate them.
+
+    Raises ConfigError naming the offending flags and values; warns (UserWarning) for settings
+    Megatron-LM accepts but ignores. The warnings are also kept in `Configs.warnings`.
+    """
+    args = build_parser().parse_args(argv)
+    notes: list[str] = []
+
+    data, vocab_size, data_notes = data_config(args)
+    notes += data_notes
+
+    num_query_groups = None
+    if args.group_query_attention:
+        num_query_groups = 1 if args.num_query_groups is None else args.num_query_groups
+    elif args.num_query_groups is not None:
+        notes.append(
+            f"--num-query-groups ({args.num_query_groups}) has no effect without "
+            "--group-query-attention; using multi-head attention"
+        )
+
+    backend = args.distributed_backend or default_backend()
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ConfigError(
+            "--distributed-backend nccl needs CUDA, which is not available here; use gloo"
+        )
+
+    model = ModelConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        vocab_size=vocab_size,
+        seq_length=args.seq_length,
+        max_position_embeddings=args.max_position_embeddings,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_query_groups=num_query_groups,
+        position_embedding_type=args.position_embedding_type,
+        rotary_base=args.rotary_base,
+        normalization=args.normalization,
+        layernorm_epsilon=args.layernorm_epsilon,
+        swiglu=args.swiglu,
+        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+        add_bias_linear=args.add_bias_linear,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        init_method_std=args.init_method_std,
+        attention_dropout=args.attention_dropout,
+        hidden_dropout=args.hidden_dropout,
+    )
+    parallel = ParallelConfig(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=virtual_stages(args),
+        pipeline_schedule=args.pipeline_schedule,
+        pipeline_partition=args.pipeline_partition,
+        decoder_first_pipeline_num_layers=args.decoder_first_pipeline_num_layers,
+        decoder_last_pipeline_num_layers=args.decoder_last_pipeline_num_layers,
+        pipeline_p2p_timeout=args.pipeline_p2p_timeout,
+        pipeline_trace=args.pipeline_trace,
+        sequence_parallel=args.sequence_parallel,
+        distributed_backend=backend,
+    )
+    parallel.validate(world_size)  # before the DP size below is computed from it
+    global_batch_size = args.global_batch_size
+    if global_batch_size is None:  # Megatron: one micro-batch per DP rank, no accumulation
+        global_batch_size = args.micro_batch_size * parallel.data_parallel_size(world_size)
+    training = TrainingConfig(
+        micro_batch_size=args.micro_batch_size,
+        global_batch_size=global_batch_size,
+        train_iters=args.train_iters,
+        lr=args.lr,
+        seed=args.seed,
+        log_interval=args.log_interval,
+        min_lr=args.min_lr,
+        lr_decay_style=args.lr_decay_style,
+        lr_decay_iters=args.lr_decay_iters,
+        lr_warmup_iters=args.lr_warmup_iters,
+        lr_warmup_fraction=args.lr_warmup_fraction,
+        lr_warmup_init=args.lr_warmup_init,
+        lr_wsd_decay_iters=args.lr_wsd_decay_iters,
+        lr_wsd_decay_style=args.lr_wsd_decay_style,
+        mock_data=args.mock_data,
+    )
+    optimizer = OptimizerConfig(
+        optimizer=args.optimizer,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps,
+        sgd_momentum=args.sgd_momentum,
+        weight_decay=args.weight_decay,
+        clip_grad=args.clip_grad,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        ddp_bucket_size=args.ddp_bucket_size,
+        bf16=args.bf16,
+        fp16=args.fp16,
+        loss_scale=args.loss_scale,
+        initial_loss_scale=args.initial_loss_scale,
+        min_loss_scale=args.min_loss_scale,
+        loss_scale_window=args.loss_scale_window,
+        hysteresis=args.hysteresis,
+    )
+    configs = validate_configs(model, parallel, training, world_size, optimizer)
+    for note in notes:
+        warnings.warn(note, stacklevel=2)
+    return dataclasses.replace(configs, warnings=tuple(notes) + configs.warnings, data=data)

@@ -1,0 +1,113 @@
+"""Flags for tensor, pipeline and sequence parallelism and the process-group backend."""
+
+from __future__ import annotations
+
+import argparse
+
+from megapipe.config import ConfigError
+
+
+def add_distributed_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--tensor-model-parallel-size",
+        type=int,
+        default=1,
+        help="Degree of tensor model parallelism. Default: 1.",
+    )
+    group.add_argument(
+        "--pipeline-model-parallel-size",
+        type=int,
+        default=1,
+        help="Degree of pipeline model parallelism. Default: 1.",
+    )
+    group.add_argument(
+        "--num-layers-per-virtual-pipeline-stage",
+        type=int,
+        default=None,
+        help="Layers per virtual pipeline stage (model chunk); turns on the interleaved "
+        "schedule with --num-layers / (PP x this) chunks per pipeline rank.",
+    )
+    group.add_argument(
+        "--num-virtual-stages-per-pipeline-rank",
+        type=int,
+        default=None,
+        help="Model chunks per pipeline rank (the interleaved schedule); an alternative to "
+        "--num-layers-per-virtual-pipeline-stage.",
+    )
+    group.add_argument(
+        "--decoder-first-pipeline-num-layers",
+        type=int,
+        default=None,
+        help="Transformer layers on the first pipeline stage (the rest split evenly).",
+    )
+    group.add_argument(
+        "--decoder-last-pipeline-num-layers",
+        type=int,
+        default=None,
+        help="Transformer layers on the last pipeline stage (the rest split evenly).",
+    )
+    group.add_argument(
+        "--pipeline-schedule",
+        default=None,
+        help="1f1b, gpipe or interleaved-1f1b. Default: 1f1b, or interleaved-1f1b with "
+        "virtual stages.",
+    )
+    group.add_argument(
+        "--pipeline-partition",
+        default="uniform",
+        help="How layers are split over stages: uniform (Megatron-LM's rule) or balanced "
+        "(equal FLOPs per stage counting the output layer on the last stage). Default: uniform.",
+    )
+    group.add_argument(
+        "--pipeline-p2p-timeout",
+        type=float,
+        default=300.0,
+        help="Seconds a pipeline stage waits for a neighbour before failing with an error that "
+        "names it. Default: 300.",
+    )
+    group.add_argument(
+        "--pipeline-trace",
+        default=None,
+        metavar="PATH",
+        help="Write the measured start and end of every pipeline action on every rank (first "
+        "10 iterations) as Chrome-trace JSON to PATH (open in Perfetto or chrome://tracing).",
+    )
+    group.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="Enable sequence parallelism (needs --tensor-model-parallel-size > 1).",
+    )
+    group.add_argument(
+        "--distributed-backend",
+        default=None,
+        help="Which backend to use for distributed training: nccl or gloo. "
+        "Default: nccl when CUDA is available, else gloo.",
+    )
+
+
+def virtual_stages(args: argparse.Namespace) -> int:
+    """Model chunks per pipeline rank, from either of Megatron's two spellings."""
+    per_stage, per_rank = (
+        args.num_layers_per_virtual_pipeline_stage,
+        args.num_virtual_stages_per_pipeline_rank,
+    )
+    if per_stage is not None and per_rank is not None:
+        raise ConfigError(
+            "pass one of --num-layers-per-virtual-pipeline-stage and "
+            "--num-virtual-stages-per-pipeline-rank, not both"
+        )
+    if per_rank is not None:
+        if per_rank < 1:
+            raise ConfigError(
+                f"--num-virtual-stages-per-pipeline-rank must be positive, got {per_rank}"
+            )
+        return per_rank
+    if per_stage is None:
+        return 1
+    pp = args.pipeline_model_parallel_size
+    if per_stage < 1 or pp < 1 or args.num_layers % (pp * per_stage):
+        raise ConfigError(
+            f"--num-layers ({args.num_layers}) is not divisible by --pipeline-model-parallel-size "
+            f"({pp}) x --num-layers-per-virtual-pipeline-stage ({per_stage})"
+        )
+    return args.num_layers // (pp * per_stage)

@@ -1,0 +1,166 @@
+"""Flags for the training loop, the optimizer, mixed precision and the learning rate."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_training_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--micro-batch-size",
+        type=int,
+        required=True,
+        help="Batch size per model instance (local batch size). Global batch size is local "
+        "batch size times data-parallel size times number of micro batches.",
+    )
+    group.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=None,
+        help="Training batch size. Default: --micro-batch-size x data-parallel size; a larger "
+        "value means gradient accumulation over micro-batches.",
+    )
+    group.add_argument(
+        "--train-iters", type=int, required=True, help="Total number of iterations to train."
+    )
+    group.add_argument(
+        "--lr", type=float, required=True, help="Learning rate (constant for now; Adam)."
+    )
+    group.add_argument(
+        "--seed",
+        type=int,
+        default=1234,
+        help="Random seed for python, numpy, torch. Default: 1234.",
+    )
+    group.add_argument(
+        "--log-interval",
+        type=int,
+        default=100,
+        help="Report loss and timing interval. Default: 100.",
+    )
+
+
+def add_optimizer_args(group: argparse._ArgumentGroup) -> None:
+    add = group.add_argument
+    add(
+        "--optimizer",
+        default="adam",
+        help="adam (AdamW, decoupled weight decay, as Megatron-LM) or sgd. Default: adam.",
+    )
+    add("--adam-beta1", type=float, default=0.9, help="Adam beta1. Default: 0.9.")
+    add("--adam-beta2", type=float, default=0.999, help="Adam beta2. Default: 0.999.")
+    add("--adam-eps", type=float, default=1e-8, help="Adam epsilon. Default: 1e-8.")
+    add("--sgd-momentum", type=float, default=0.9, help="SGD momentum. Default: 0.9.")
+    add(
+        "--weight-decay",
+        type=float,
+        default=0.01,
+        help="Weight decay (not applied to biases and norm weights). Default: 0.01.",
+    )
+    add(
+        "--clip-grad",
+        type=float,
+        default=1.0,
+        help="Clip the global gradient norm (whole "
+        "model, all ranks) to this value; 0 disables. Default: 1.0.",
+    )
+    add(
+        "--use-distributed-optimizer",
+        action="store_true",
+        help="Shard fp32 master weights and optimizer state over data-parallel ranks (ZeRO-1).",
+    )
+    add(
+        "--overlap-grad-reduce",
+        action="store_true",
+        help="Reduce each gradient bucket over "
+        "data-parallel ranks asynchronously as soon as it is ready during backward.",
+    )
+    add(
+        "--ddp-bucket-size",
+        type=int,
+        default=None,
+        help="Elements per gradient bucket. Default: 40,000,000.",
+    )
+    add(
+        "--accumulate-allreduce-grads-in-fp32",
+        action="store_true",
+        help="Accepted for "
+        "Megatron-LM compatibility: gradients are always accumulated and reduced in fp32.",
+    )
+    add(
+        "--bf16",
+        action="store_true",
+        help="bf16 parameters and activations, fp32 master weights and gradients.",
+    )
+    add(
+        "--fp16",
+        action="store_true",
+        help="fp16 parameters and activations with loss scaling, "
+        "fp32 master weights and gradients.",
+    )
+    add(
+        "--loss-scale",
+        type=float,
+        default=None,
+        help="Static fp16 loss scale (a power of 2); default: dynamic loss scaling.",
+    )
+    add(
+        "--initial-loss-scale",
+        type=float,
+        default=2.0**32,
+        help="Initial dynamic loss scale. Default: 2^32.",
+    )
+    add("--min-loss-scale", type=float, default=1.0, help="Minimum dynamic loss scale. Default: 1.")
+    add(
+        "--loss-scale-window",
+        type=int,
+        default=1000,
+        help="Clean iterations before the dynamic loss scale doubles. Default: 1000.",
+    )
+    add(
+        "--hysteresis",
+        type=int,
+        default=2,
+        help="Overflows tolerated before the dynamic loss scale backs off. Default: 2.",
+    )
+    add(
+        "--min-lr",
+        type=float,
+        default=0.0,
+        help="Minimum learning rate the decay reaches. Default: 0.",
+    )
+    add(
+        "--lr-decay-style",
+        default="linear",
+        help="constant, linear, cosine, inverse-square-root or WSD. Default: linear.",
+    )
+    add(
+        "--lr-decay-iters",
+        type=int,
+        default=None,
+        help="Iterations to decay over. Default: --train-iters.",
+    )
+    add("--lr-warmup-iters", type=int, default=0, help="Iterations of linear warmup. Default: 0.")
+    add(
+        "--lr-warmup-fraction",
+        type=float,
+        default=None,
+        help="Warmup as a fraction of --lr-decay-iters (instead of --lr-warmup-iters).",
+    )
+    add(
+        "--lr-warmup-init",
+        type=float,
+        default=0.0,
+        help="Learning rate at the start of warmup. Default: 0.",
+    )
+    add(
+        "--lr-wsd-decay-iters",
+        type=int,
+        default=None,
+        help="WSD: iterations of the final decay phase.",
+    )
+    add(
+        "--lr-wsd-decay-style",
+        default="exponential",
+        help="WSD decay: exponential, linear, cosine or minus_sqrt. Default: exponential.",
+    )
