@@ -19,9 +19,9 @@ python tools/preprocess_data.py --input "$RUN_DIR/corpus.jsonl" \
 
 OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node "$NPROC" pretrain_gpt.py \
     --pipeline-model-parallel-size 2 --num-layers 4 --hidden-size 128 \
-    --num-attention-heads 4 --seq-length 128 --max-position-embeddings 128 \
-    --micro-batch-size 4 --global-batch-size 16 --train-iters 60 --lr 1e-3 \
-    --lr-decay-style cosine --lr-warmup-iters 6 --min-lr 1e-4 --log-interval 10 \
+    --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 \
+    --micro-batch-size 2 --global-batch-size 8 --train-iters 40 --lr 2e-3 \
+    --lr-decay-style cosine --lr-warmup-iters 4 --min-lr 1e-4 --log-interval 10 \
     --attention-dropout 0.0 --hidden-dropout 0.0 \
     --data-path "$RUN_DIR/corpus_text_document" --split 98,2,0 \
     --tokenizer-type GPTSentencePieceTokenizer --tokenizer-model "$RUN_DIR/tok.model" \
