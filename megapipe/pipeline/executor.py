@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch.autograd.variable import Variable
 
 from megapipe.data.mock import TrainingBatch
@@ -137,16 +138,35 @@ class PipelineExecutor:
             grad = inputs.pop(key).grad
             return op, grad, None
 
+        # Receives posted but not yet waited for, by the compute that needs them: a unit's
+        # forward runs while the gradient its backward needs is still on the way.
+        receives: dict[tuple[str, int, int], tuple[P2P, dist.Work]] = {}
+
+        def await_input(step: Compute) -> None:
+            posted = receives.pop((step.phase, step.microbatch, step.chunk), None)
+            if posted is not None:
+                start = time.perf_counter()
+                self.comm.wait(*posted)
+                if self.trace is not None:
+                    self.trace.record(Comm((posted[0],)), start, time.perf_counter())
+
         for action in self.actions:
+            if isinstance(action, Compute):
+                await_input(action)
             start = time.perf_counter()
             if isinstance(action, Comm):
-                self.comm.exchange([transfer(op) for op in action.ops])
+                posted = self.comm.post([transfer(op) for op in action.ops])
+                receives.update(
+                    {(op.phase, op.microbatch, op.chunk): (op, w) for op, w in posted.items()}
+                )
             elif action.phase == "F":
                 forward(action)
             else:
                 backward(action)
             if self.trace is not None:
                 self.trace.record(action, start, time.perf_counter())
+        for op, work in receives.values():  # none in a valid schedule; never leave one posted
+            self.comm.wait(op, work)
         self.comm.drain()
         if outputs or output_grads:
             raise RuntimeError(

@@ -1,6 +1,6 @@
 """Point-to-point transfers between pipeline stages: one batch_isend_irecv per `Comm` action.
 
-Receives are waited on at once (the next compute needs them); sends are left in flight and
+Each receive is waited on just before the compute that needs it; sends are left in flight and
 waited on before the next batch is posted, so a rank computes while its activations travel.
 Shapes are known from the config, so there is no per-micro-batch shape handshake. A receive
 that does not complete within the timeout raises an error naming the peer, instead of leaving
@@ -55,12 +55,14 @@ class P2PCommunicator:
                 f"after {self.timeout.total_seconds():.0f} s: {error}"
             ) from error
 
-    def exchange(
+    def post(
         self, transfers: list[tuple[P2P, torch.Tensor, Callable[[], None] | None]]
-    ) -> None:
-        """Post one batch, in the schedule's order; return when every receive has landed.
+    ) -> dict[P2P, dist.Work]:
+        """Post one batch, in the schedule's order; return the receives, still in flight.
 
         transfers: (op, tensor, callback) with the callback run once a send's buffer is free.
+        The caller waits for each receive (`wait`) just before the compute that needs it, so a
+        forward can run while the gradient for the backward after it is still on its way.
         """
         self.drain()
         p2p_ops = [
@@ -70,11 +72,26 @@ class P2PCommunicator:
             for op, tensor, _ in transfers
         ]
         works = dist.batch_isend_irecv(p2p_ops)
+        if len(works) != len(transfers):  # a coalescing backend (NCCL): one work for the batch
+            works = works[-1:] * len(transfers)
+        receives = {}
         for (op, _, on_done), work in zip(transfers, works):
             if op.op == "recv":
-                self._wait(work, op)
+                receives[op] = work
             else:
                 self._in_flight.append(PendingSend(work, op, on_done))
+        return receives
+
+    def wait(self, op: P2P, work: dist.Work) -> None:
+        """Wait for one posted receive; PipelineCommError naming the peer if it times out."""
+        self._wait(work, op)
+
+    def exchange(
+        self, transfers: list[tuple[P2P, torch.Tensor, Callable[[], None] | None]]
+    ) -> None:
+        """Post one batch and return when every receive in it has landed."""
+        for op, work in self.post(transfers).items():
+            self._wait(work, op)
 
     def drain(self) -> None:
         """Wait for every send still in flight, then run its completion callback."""

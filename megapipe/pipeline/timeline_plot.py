@@ -139,6 +139,7 @@ def _save_png(fig, path: str) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             fig.savefig(f, format="png")
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; a picture is for everyone to read
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)

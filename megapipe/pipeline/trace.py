@@ -75,6 +75,9 @@ def write_json_atomically(path: str, document: dict) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".trace-", dir=directory)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it owner-only; a trace is for sharing
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(document, f)
