@@ -27,7 +27,7 @@ def counted_in_norm(param: torch.nn.Parameter, tp_rank: int) -> bool:
 
 def gradient(param: torch.nn.Parameter) -> torch.Tensor | None:
     """The gradient the optimizer uses: the fp32 `main_grad` when a GradBuffer owns the param."""
-    return getattr(param, "main_grad", None) if hasattr(param, "main_grad") else param.grad
+    return getattr(param, "main_grad", param.grad)
 
 
 def global_grad_norm(params: Iterable[torch.nn.Parameter], state: ParallelState) -> float:
