@@ -80,8 +80,6 @@ def test_bad_data_flags_are_one_line_errors(tmp_path, demo_prefix, sp_model) -> 
     assert "--data-path and --train-data-path cannot be combined" in error(both)
     odd = data_flags(f"0.5 {demo_prefix} {demo_prefix}", sp_model)
     assert "'0.5' looks like a weight" in error(odd)
-    rejected = error(data_flags(demo_prefix, sp_model, "--reset-attention-mask"))
-    assert rejected.startswith("--reset-attention-mask is not supported yet")
     (tmp_path / "file").write_text("x")
     cache = data_flags(demo_prefix, sp_model, "--data-cache-path", str(tmp_path / "file"))
     assert error(cache).endswith("exists and is not a directory")
@@ -151,3 +149,17 @@ def test_document_flags_change_the_loss_and_keep_parity(short_documents, sp_mode
     assert abs(single[0] - reference[0]) > 1e-4  # the eods are masked, positions restart
     for losses in run_distributed(_train, 2, flags):
         assert losses == pytest.approx(single, rel=1e-5)
+
+
+def test_reset_attention_mask_changes_the_loss_and_keeps_parity(short_documents, sp_model):
+    """Attention stays inside each document; every layout, middle pipeline stages included."""
+    plain = [*MODEL, "--train-iters", "3", "--num-layers", "3",
+             *data_flags(short_documents, sp_model), "--reset-position-ids"]  # fmt: skip
+    masked = [*plain, "--reset-attention-mask"]
+    reference = run_distributed(_train, 1, plain)[0]
+    single = run_distributed(_train, 1, masked)[0]
+    assert abs(single[0] - reference[0]) > 1e-4  # earlier documents are no longer visible
+    for world, layout in ((2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+                          (3, ["--pipeline-model-parallel-size", "3"])):  # fmt: skip
+        for losses in run_distributed(_train, world, masked + layout):
+            assert losses == pytest.approx(single, rel=1e-5)

@@ -102,11 +102,6 @@ def data_config(args: argparse.Namespace) -> tuple[DataConfig, int, list[str]]:
     if not (data.mock_data or data.real_data):
         raise ConfigError(NO_DATASET)
     data.validate()
-    if data.reset_attention_mask:
-        raise ConfigError(
-            "--reset-attention-mask is not supported yet: attention takes no per-document mask "
-            "(--reset-position-ids and --eod-mask-loss are)"
-        )
     try:
         check = check_data_config(data)
     except DataError as error:

@@ -59,8 +59,13 @@ class SelfAttention(torch.nn.Module):
         )
 
     def forward(
-        self, x: torch.Tensor, rotary: RotaryEmbedding | None
+        self,
+        x: torch.Tensor,
+        rotary: RotaryEmbedding | None,
+        attention_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """attention_mask: None for plain causal attention, else [b, 1, s, s] bool, True where
+        a query may attend a key (--reset-attention-mask: causal within each document)."""
         qkv, _ = self.linear_qkv(x)
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.local_groups, self.queries_per_group + 2, self.head_dim)
@@ -76,8 +81,9 @@ class SelfAttention(torch.nn.Module):
                 q,
                 k,
                 v,
+                attn_mask=attention_mask,
                 dropout_p=dropout,
-                is_causal=True,
+                is_causal=attention_mask is None,
                 scale=1.0 / math.sqrt(self.head_dim),
                 enable_gqa=self.local_groups != self.local_heads,
             )

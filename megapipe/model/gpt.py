@@ -111,11 +111,16 @@ class Decoder(torch.nn.Module):
             else None
         )
 
-    def forward(self, x: torch.Tensor, rotary: RotaryEmbedding | None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rotary: RotaryEmbedding | None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         # Under SP every activation is a per-rank shard: all dropout draws from the TP stream.
         with self.rng.fork() if self.sequence_parallel else contextlib.nullcontext():
             for layer in self.layers.values():
-                x = layer(x, rotary)
+                x = layer(x, rotary, attention_mask)
         if self.final_layernorm is not None:
             x = self.final_layernorm(x)
         return x
@@ -195,8 +200,12 @@ class GPTModel(torch.nn.Module):
         hidden_states: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """First stage: `tokens` [b, s]; later stages: `hidden_states` [s, b, h].
+
+        attention_mask: None for causal attention, else [b, 1, s, s] bool, True = may attend
+        (every stage needs it: --reset-attention-mask).
 
         Returns hidden states [s, b, h] before the last stage; on the last stage the
         vocabulary-parallel logits [s, b, vocab/tp], or the per-token loss [b, s] when
@@ -205,7 +214,7 @@ class GPTModel(torch.nn.Module):
         """
         if self.pre_process:
             hidden_states = self.embedding(tokens, position_ids)
-        x = self.decoder(hidden_states, self.rotary)
+        x = self.decoder(hidden_states, self.rotary, attention_mask)
         if not self.post_process:
             return x
         logits, _ = self.output_layer(x)

@@ -44,8 +44,13 @@ class TransformerLayer(torch.nn.Module):
         self.pre_mlp_layernorm = build_norm(config.normalization, config.hidden_size, eps, sp)
         self.mlp = MLP(config, tp, output_init_std=output_std, sequence_parallel=sp)
 
-    def forward(self, x: torch.Tensor, rotary: RotaryEmbedding | None = None) -> torch.Tensor:
-        out, bias = self.self_attention(self.input_layernorm(x), rotary)
+    def forward(
+        self,
+        x: torch.Tensor,
+        rotary: RotaryEmbedding | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        out, bias = self.self_attention(self.input_layernorm(x), rotary, attention_mask)
         x = bias_dropout_add(out, bias, x, self.hidden_dropout, self.training)
         out, bias = self.mlp(self.pre_mlp_layernorm(x))
         return bias_dropout_add(out, bias, x, self.hidden_dropout, self.training)

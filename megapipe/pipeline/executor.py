@@ -64,6 +64,7 @@ class PipelineExecutor:
         dtype: torch.dtype = torch.float32,
         comm: P2PCommunicator | None = None,
         trace: TraceRecorder | None = None,
+        batch_on_every_stage: bool = False,
     ) -> None:
         self.chunks = list(chunks)
         self.state = state
@@ -77,6 +78,9 @@ class PipelineExecutor:
         self.peak_stashed = 0
         self.freed_outputs = 0
         self.loss_scale = 1.0  # fp16: the loss scaler's current scale
+        # Per-document attention masks (--reset-attention-mask) are needed by every stage;
+        # otherwise only the first stage reads tokens and the last labels and loss mask.
+        self.batch_on_every_stage = batch_on_every_stage
 
     def _free(self, tensor: torch.Tensor) -> None:
         self.freed_outputs += _free_data(tensor)
@@ -97,15 +101,19 @@ class PipelineExecutor:
             stage = self._stage(step.chunk)
             model = self.chunks[step.chunk]
             first, last = stage == 0, stage == self.num_stages - 1
-            batch = get_batch(step.microbatch) if first or last else None
+            needs_batch = first or last or self.batch_on_every_stage
+            batch = get_batch(step.microbatch) if needs_batch else None
+            mask = getattr(batch, "attention_mask", None)  # --reset-attention-mask
             if first:
                 out = model(
                     tokens=batch.tokens,
                     position_ids=getattr(batch, "position_ids", None),  # --reset-position-ids
                     labels=batch.labels if last else None,
+                    attention_mask=mask,
                 )
             else:
-                out = model(hidden_states=inputs[key], labels=batch.labels if last else None)
+                labels = batch.labels if last else None
+                out = model(hidden_states=inputs[key], labels=labels, attention_mask=mask)
             if last:
                 loss = masked_mean(out, batch.loss_mask)
                 losses.append(loss.detach())

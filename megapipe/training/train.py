@@ -114,6 +114,7 @@ def build_executor(
         dtype=configs.optimizer.params_dtype,
         comm=P2PCommunicator(state.pp, parallel.pipeline_p2p_timeout),
         trace=trace,
+        batch_on_every_stage=configs.data.reset_attention_mask,
     )
 
 
