@@ -33,7 +33,6 @@ import argparse
 import contextlib
 import datetime
 import io
-import json
 import os
 import platform
 import resource
@@ -47,6 +46,7 @@ import torch.distributed as dist
 # Imported here, before ranks are forked: the ranks inherit them, so neither the timed steps
 # nor the memory deltas include import work.
 from megapipe.arguments import parse_args as parse_megatron_args
+from megapipe.atomic_files import write_json
 from megapipe.data.sampler import micro_batch_range
 from megapipe.data.sources import build_batch_source
 from megapipe.layers.cross_entropy import masked_mean
@@ -542,12 +542,7 @@ def main(argv: list[str] | None = None) -> dict:
                     f"{x['megatron_total']:g}"
                 )
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        tmp = args.json + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(result, f, indent=2)
-            f.write("\n")
-        os.replace(tmp, args.json)
+        write_json(args.json, result)
         print(f"wrote {args.json}")
     if failures:
         raise SystemExit("benchmark checks failed: " + "; ".join(failures))

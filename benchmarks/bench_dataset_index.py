@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -28,7 +27,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from megapipe.data.atomic import atomic_write
+from megapipe.atomic_files import write_json
 from megapipe.data.blending import blending_indices
 from megapipe.data.gpt_dataset import GPTDataset
 from megapipe.data.gpt_index import build_gpt_indices, build_sample_index
@@ -171,9 +170,7 @@ def main(argv: list[str] | None = None) -> dict:
         "results": [{"step": n, "seconds": s, "note": note} for n, s, note in rows],
     }
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with atomic_write(args.json) as temp:
-            temp.write_text(json.dumps(report, indent=2) + "\n")
+        write_json(args.json, report)
     return report
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import os
 import platform
@@ -29,6 +28,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from megapipe.atomic_files import write_json
 
 # --------------------------------------------------------------------------------------------
 # The plain-PyTorch reference model (deliberately no megapipe imports here).
@@ -362,12 +363,7 @@ def main(argv: list[str] | None = None) -> dict:
         "target_met": med_ratio <= 1.03,
     }
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        tmp = args.json + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(result, f, indent=2)
-            f.write("\n")
-        os.replace(tmp, args.json)
+        write_json(args.json, result)
         print(f"wrote {args.json}")
     return result
 

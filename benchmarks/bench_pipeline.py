@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -35,6 +34,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from megapipe.atomic_files import write_json
 from megapipe.config import ModelConfig
 from megapipe.data.mock import TrainingBatch
 from megapipe.layers.cross_entropy import masked_mean, vocab_parallel_cross_entropy
@@ -415,11 +415,7 @@ def main(argv: list[str] | None = None) -> dict:
         **summary,
     }
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        tmp = args.json + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(result, f, indent=2)
-        os.replace(tmp, args.json)
+        write_json(args.json, result)
         print(f"wrote {args.json}")
     return result
 

@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import sentencepiece as spm
 
-from megapipe.data.atomic import atomic_write
+from megapipe.atomic_files import write_json
 from megapipe.data.demo_corpus import demo_documents
 from megapipe.data.preprocess import PreprocessOptions, preprocess
 from megapipe.data.tokenizer_training import TokenizerTrainingOptions, train_sentencepiece
@@ -164,9 +164,7 @@ def main(argv: list[str] | None = None) -> dict:
         "results": results,
     }
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with atomic_write(args.json) as temp:
-            temp.write_text(json.dumps(report, indent=2) + "\n")
+        write_json(args.json, report)
     return report
 
 

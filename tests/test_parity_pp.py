@@ -54,7 +54,9 @@ def micro_batch(config, step, microbatch):
     return TrainingBatch(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), mask)
 
 
-def _pipeline_parity(rank, world, tp, pp, v, kind, tied, m, steps, sequence_parallel=False):
+def _pipeline_parity(
+    rank, world, tp, pp, v, kind, tied, m, steps, sequence_parallel=False, every_stage=False
+):
     config = config_for(2 * pp * v, tied)
     state = ParallelState.build(tp, pp)
     stage_map = partition_layers(config, pp, v)
@@ -72,14 +74,20 @@ def _pipeline_parity(rank, world, tp, pp, v, kind, tied, m, steps, sequence_para
         build_schedule(kind, pp, v, m, state.pp_rank),
         num_microbatches=m,
         activation_shape=activation_shape(config, MICRO_BATCH, tp, sequence_parallel),
+        batch_on_every_stage=every_stage,
     )
     reference = GPTModel(config, ParallelState.single(), RNGTracker(SEED), seed=SEED)
     params = [p for c in chunks for p in c.parameters()]
     optimizer = torch.optim.Adam(params, lr=1e-3)
     ref_optimizer = torch.optim.Adam(reference.parameters(), lr=1e-3)
-    out = {"loss": 0.0, "norm": 0.0, "grads": 0.0, "peak": 0, "freed": 0}
+    out = {"loss": 0.0, "norm": 0.0, "grads": 0.0, "peak": 0, "freed": 0, "reads": []}
     for step in range(steps):
-        losses = executor.run(lambda i, step=step: micro_batch(config, step, i))
+
+        def read(i, step=step):
+            out["reads"].append((step, i))
+            return micro_batch(config, step, i)
+
+        losses = executor.run(read)
         finalize_model_grads(chunks, state)
         norm = global_grad_norm(params, state)
         ref_losses = []
@@ -136,6 +144,12 @@ def test_pipeline_matches_single_rank(tp, pp, v, kind, tied, m):
     sim = simulate_kind(kind, pp, v, m)
     for rank, r in enumerate(results):
         pp_rank = rank // tp
+        # Only the first stage (tokens) and the last (labels, loss mask) read data, each
+        # micro-batch once per step.
+        reads_data = pp_rank in (0, pp - 1)
+        assert sorted(r["reads"]) == sorted((s, i) for s in range(3) for i in range(m)) * int(
+            reads_data
+        )
         assert r["peak"] == sim.peak_in_flight[pp_rank]
         sends = m * v - (m if pp_rank == pp - 1 else 0)
         assert r["freed"] == sends
@@ -165,3 +179,12 @@ def test_skipping_the_tied_embedding_all_reduce_fails_parity():
     first, last = run_distributed(_without_tied_embedding_sync, 2)
     assert max(first["grads"], last["grads"]) > 1000 * TOLERANCE
     assert not torch.equal(first["shared"][0], last["shared"][0])
+
+
+def test_every_stage_reads_each_micro_batch_once_when_masks_need_it():
+    """--reset-attention-mask: every chunk needs the batch; a rank still reads it once."""
+    results = run_distributed(_pipeline_parity, 2, 1, 2, 2, "interleaved-1f1b", True, 4, 1,
+                              every_stage=True)  # fmt: skip
+    for r in results:
+        assert r["loss"] < TOLERANCE and r["grads"] < TOLERANCE, r
+        assert sorted(r["reads"]) == [(0, i) for i in range(4)]

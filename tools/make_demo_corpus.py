@@ -15,7 +15,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from megapipe.data.atomic import atomic_write
+from megapipe.atomic_files import atomic_write
 from megapipe.data.demo_corpus import demo_documents
 from megapipe.data.errors import DataError
 from megapipe.data.tool_cli import run_tool

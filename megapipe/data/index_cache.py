@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megapipe.data.atomic import atomic_write
+from megapipe.atomic_files import atomic_write
 from megapipe.data.errors import DataError
 
 

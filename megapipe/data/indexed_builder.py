@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from megapipe.data.atomic import commit, discard, temp_path_for
+from megapipe.atomic_files import commit, discard, temp_path_for
 from megapipe.data.errors import DataError
 from megapipe.data.indexed_dataset import IndexedDataset
 from megapipe.data.indexed_format import IndexHeader, bin_path, dtype_code, idx_path

@@ -12,7 +12,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from megapipe.data.atomic import atomic_write
+from megapipe.atomic_files import atomic_write
 from megapipe.data.errors import DataError
 from megapipe.data.input_issues import InputIssue, IssueLog
 from megapipe.data.jsonl import decode_line, parse_json_line, read_chunks

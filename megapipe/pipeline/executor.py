@@ -81,12 +81,19 @@ class PipelineExecutor:
         # Per-document attention masks (--reset-attention-mask) are needed by every stage;
         # otherwise only the first stage reads tokens and the last labels and loss mask.
         self.batch_on_every_stage = batch_on_every_stage
+        # How many of this rank's chunks read each micro-batch (to read it once per step).
+        self._batch_readers = sum(
+            1 for c in range(len(self.chunks)) if self._reads_batch(self._stage(c))
+        )
 
     def _free(self, tensor: torch.Tensor) -> None:
         self.freed_outputs += _free_data(tensor)
 
     def _stage(self, chunk: int) -> int:
         return chunk * self.state.pp.size + self.state.pp.rank
+
+    def _reads_batch(self, stage: int) -> bool:
+        return stage in (0, self.num_stages - 1) or self.batch_on_every_stage
 
     def run(self, get_batch: Callable[[int], TrainingBatch]) -> list[torch.Tensor]:
         """One step's forwards and backwards; returns the last stage's micro-batch losses."""
@@ -95,19 +102,29 @@ class PipelineExecutor:
         output_grads: dict[Key, torch.Tensor] = {}
         losses: list[torch.Tensor] = []
         self.peak_stashed = self.freed_outputs = 0
+        batches: dict[int, list] = {}  # micro-batch -> [batch, readers still to come]
+
+        def read_batch(microbatch: int) -> TrainingBatch:
+            """Each micro-batch is read once per step, however many local chunks need it."""
+            entry = batches.setdefault(microbatch, [None, self._batch_readers])
+            if entry[0] is None:
+                entry[0] = get_batch(microbatch)
+            entry[1] -= 1
+            if entry[1] == 0:
+                del batches[microbatch]
+            return entry[0]
 
         def forward(step: Compute) -> None:
             key = (step.microbatch, step.chunk)
             stage = self._stage(step.chunk)
             model = self.chunks[step.chunk]
             first, last = stage == 0, stage == self.num_stages - 1
-            needs_batch = first or last or self.batch_on_every_stage
-            batch = get_batch(step.microbatch) if needs_batch else None
-            mask = getattr(batch, "attention_mask", None)  # --reset-attention-mask
+            batch = read_batch(step.microbatch) if self._reads_batch(stage) else None
+            mask = batch.attention_mask if batch is not None else None
             if first:
                 out = model(
                     tokens=batch.tokens,
-                    position_ids=getattr(batch, "position_ids", None),  # --reset-position-ids
+                    position_ids=batch.position_ids,
                     labels=batch.labels if last else None,
                     attention_mask=mask,
                 )

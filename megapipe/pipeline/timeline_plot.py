@@ -9,8 +9,8 @@ global backend switch), so the rest of megapipe never needs it.
 from __future__ import annotations
 
 import os
-import tempfile
 
+from megapipe.atomic_files import atomic_write
 from megapipe.pipeline.timeline import Timeline
 
 FONT_PT = 8.0
@@ -133,14 +133,6 @@ def draw_timeline(timeline: Timeline, path: str, *, width_in: float = 14.0, dpi:
 
 
 def _save_png(fig, path: str) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".plot-", suffix=".png", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format="png")
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; a picture is for everyone to read
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with atomic_write(path) as temp, open(temp, "wb") as f:
+        fig.savefig(f, format="png")

@@ -7,13 +7,11 @@ forward and backward as separate categories, communication batches in a third.
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from megapipe.atomic_files import write_json
 from megapipe.pipeline.schedules import Action, Compute
 
 
@@ -70,25 +68,6 @@ def chrome_trace(events_per_rank: list[list[dict]], metadata: dict | None = None
     return document
 
 
-def write_json_atomically(path: str, document: dict) -> None:
-    """Write to a temporary file beside `path`, fsync, rename: never a half-written trace."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".trace-", dir=directory)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it owner-only; a trace is for sharing
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(document, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
 def gather_and_write(
     recorder: TraceRecorder,
     path: str,
@@ -99,4 +78,4 @@ def gather_and_write(
     gathered: list = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
     dist.gather_object(recorder.events, gathered if dist.get_rank() == 0 else None, dst=0)
     if dist.get_rank() == 0:
-        write_json_atomically(path, chrome_trace([gathered[r] for r in pp_group_ranks], metadata))
+        write_json(path, chrome_trace([gathered[r] for r in pp_group_ranks], metadata))

@@ -29,7 +29,9 @@ LOSS_NAME = "lm loss"
 TRACE_ITERATIONS = 10  # --pipeline-trace records the first iterations only
 
 
-def build_model_chunks_for(configs: Configs, state: ParallelState) -> list[GPTModel]:
+def build_model_chunks_for(
+    configs: Configs, state: ParallelState, stage_map: StageMap | None = None
+) -> list[GPTModel]:
     """Seed this rank's random streams and build its model chunks in training mode."""
     seed = configs.training.seed
     tracker = RNGTracker(seed, state.tp_rank, state.pp_rank, state.device)
@@ -38,7 +40,7 @@ def build_model_chunks_for(configs: Configs, state: ParallelState) -> list[GPTMo
         configs.model,
         state,
         tracker,
-        stage_map_for(configs),
+        stage_map or stage_map_for(configs),
         seed=seed,
         sequence_parallel=configs.parallel.sequence_parallel,
     )
@@ -146,9 +148,10 @@ def train(configs: Configs, state: ParallelState) -> list[StepResult]:
         state,
         world_size_line(state.world_size, state.dp.size, state.tp.size, state.pp.size),
     )
+    stage_map = stage_map_for(configs)
     if state.pp.size > 1:
-        print_rank_0(state, stage_map_for(configs).describe())
-    chunks = build_model_chunks_for(configs, state)
+        print_rank_0(state, stage_map.describe())
+    chunks = build_model_chunks_for(configs, state, stage_map)
     params = [p for chunk in chunks for p in chunk.parameters()]
     if state.dp.rank == 0:
         count = sum(p.numel() for p in params)

@@ -1,5 +1,8 @@
 """Write files so that a crash never leaves a file that looks valid: temp name, fsync, rename.
 
+Used for everything megapipe writes that a reader might pick up: datasets, index caches,
+tokenizers, pipeline traces, timeline pictures, benchmark JSON.
+
 Temp files live beside their destination (same filesystem, so the rename is atomic) under a hidden
 name that no reader looks for: `.NAME.tmp-PID-RANDOM`.
 """
@@ -7,6 +10,7 @@ name that no reader looks for: `.NAME.tmp-PID-RANDOM`.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 from collections.abc import Iterator
@@ -57,3 +61,10 @@ def atomic_write(final: str | os.PathLike) -> Iterator[Path]:
     except BaseException:
         discard(temp)
         raise
+
+
+def write_json(path: str | os.PathLike, document: object, indent: int | None = 2) -> None:
+    """`document` as JSON at `path` (parent directories created), atomically."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with atomic_write(path) as temp:
+        temp.write_text(json.dumps(document, indent=indent) + "\n")
