@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from megapipe.atomic_files import write_json
 from megapipe.config import ModelConfig
-from megapipe.data.mock import TrainingBatch
+from megapipe.data.batch import TrainingBatch
 from megapipe.layers.cross_entropy import masked_mean, vocab_parallel_cross_entropy
 from megapipe.model.gpt import GPTModel
 from megapipe.parallel.random import RNGTracker

@@ -49,7 +49,7 @@ def micro_batch(config, step, microbatch):
     g = torch.Generator().manual_seed(1000 * step + microbatch)
     tokens = torch.randint(0, config.vocab_size, (MICRO_BATCH, config.seq_length + 1), generator=g)
     mask = (torch.rand(MICRO_BATCH, config.seq_length, generator=g) > 0.25).float()
-    from megapipe.data.mock import TrainingBatch
+    from megapipe.data.batch import TrainingBatch
 
     return TrainingBatch(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), mask)
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from megapipe.config import ModelConfig
-from megapipe.data.mock import TrainingBatch
+from megapipe.data.batch import TrainingBatch
 from megapipe.parallel.random import RNGTracker
 from megapipe.parallel.state import ParallelState
 from megapipe.pipeline.executor import PipelineExecutor

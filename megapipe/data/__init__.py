@@ -10,7 +10,7 @@ from typing import Any
 
 _EXPORTS = {
     "MockGPTDataset": "megapipe.data.mock",
-    "TrainingBatch": "megapipe.data.mock",
+    "TrainingBatch": "megapipe.data.batch",
     "micro_batch_range": "megapipe.data.sampler",
     "IndexedDataset": "megapipe.data.indexed_dataset",
     "IndexedDatasetBuilder": "megapipe.data.indexed_builder",

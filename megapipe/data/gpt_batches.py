@@ -14,9 +14,9 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from megapipe.data.batch import TrainingBatch
 from megapipe.data.errors import DataError
 from megapipe.data.masks import MaskOptions, attention_mask, loss_mask, position_ids
-from megapipe.data.mock import TrainingBatch
 
 
 class SampleDataset(Protocol):

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.variable import Variable
 
-from megapipe.data.mock import TrainingBatch
+from megapipe.data.batch import TrainingBatch
 from megapipe.layers.cross_entropy import masked_mean
 from megapipe.model.gpt import GPTModel
 from megapipe.parallel.state import ParallelState

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megapipe.config import Configs
-from megapipe.data.mock import TrainingBatch
+from megapipe.data.batch import TrainingBatch
 from megapipe.data.sampler import micro_batch_range
 from megapipe.distributed import finalize_model_grads
 from megapipe.distributed.optimizer import ShardedOptimizer
