@@ -16,16 +16,20 @@ import torch
 from megapipe.data.batch import TrainingBatch
 
 
-def sample_seed(seed: int, index: int) -> int:
-    """A stable 63-bit seed for one sample (independent of Python's hash randomisation)."""
-    digest = hashlib.sha256(f"mock-gpt/{seed}/{index}".encode()).digest()
+def sample_seed(seed: int, index: int, split: str = "train") -> int:
+    """A stable 63-bit seed for one sample (independent of Python's hash randomisation).
+
+    The valid and test splits salt it with their name, so their samples differ from train's.
+    """
+    salt = "" if split == "train" else f"{split}/"
+    digest = hashlib.sha256(f"mock-gpt/{salt}{seed}/{index}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
 class MockGPTDataset:
     """An endless indexable source of `seq_length + 1`-token samples with ids < vocab_size."""
 
-    def __init__(self, vocab_size: int, seq_length: int, seed: int) -> None:
+    def __init__(self, vocab_size: int, seq_length: int, seed: int, split: str = "train") -> None:
         if vocab_size <= 0 or seq_length <= 0:
             raise ValueError(
                 f"vocab_size ({vocab_size}) and seq_length ({seq_length}) must be positive"
@@ -33,12 +37,13 @@ class MockGPTDataset:
         self.vocab_size = vocab_size
         self.seq_length = seq_length
         self.seed = seed
+        self.split = split
 
     def sample(self, index: int) -> torch.Tensor:
         """Global sample `index`: int64 token ids, shape [seq_length + 1]."""
         if index < 0:
             raise IndexError(f"sample index must be non-negative, got {index}")
-        generator = torch.Generator().manual_seed(sample_seed(self.seed, index))
+        generator = torch.Generator().manual_seed(sample_seed(self.seed, index, self.split))
         start = torch.randint(self.vocab_size, (), generator=generator)
         return (start + torch.arange(self.seq_length + 1)) % self.vocab_size
 
