@@ -14,8 +14,6 @@ from megapipe.distributed.loss_scaler import (
     DynamicLossScaler,
     found_inf_or_nan,
     make_loss_scaler,
-    unscale_,
-    unscale_and_check_,
 )
 from megapipe.testing import run_distributed
 
@@ -211,34 +209,15 @@ def test_large_finite_fp16_grads_are_not_an_overflow():
     assert found_inf_or_nan(gs, None) is False
 
 
-def test_unscale_multiplies_in_place():
-    gs = grads([1024.0, -512.0], [2.0**20])
-    ids = [id(g) for g in gs]
-    unscale_(gs, 1 / 1024)
-    assert [id(g) for g in gs] == ids
-    assert gs[0].tolist() == [1.0, -0.5] and gs[1].tolist() == [1024.0]
-    unscale_([], 0.5)  # nothing to do, no error
-
-
-def test_unscale_and_check_is_unscale_plus_check():
-    gs = grads([8.0, 4.0], [2.0])
-    assert unscale_and_check_(gs, 0.25, None) is False
-    assert gs[0].tolist() == [2.0, 1.0] and gs[1].tolist() == [0.5]
-    bad = grads([8.0], [INF, 1.0])
-    assert unscale_and_check_(bad, 0.5, None) is True
-    assert bad[0].tolist() == [4.0]
-    assert unscale_and_check_([], 0.5, None) is False
-
-
 def test_scaler_with_overflow_check_skips_and_backs_off():
-    """The loop the optimizer will run: unscale and check, update, step only when clean."""
+    """The optimizer's loop: unscale, check, update the scale, step only when clean."""
     scaler = DynamicLossScaler(initial_scale=2.0**15, hysteresis=1)
     w = torch.zeros(1)
     skipped = 0
     for true_grad in (1.0, 4.0, 1.0):  # 4 x 2**15 overflows fp16 (max 65504)
         fp16_grad = (torch.tensor([true_grad]) * scaler.scale).to(torch.float16)
-        main_grad = fp16_grad.float()
-        overflow = unscale_and_check_([main_grad], scaler.inv_scale, None)
+        main_grad = fp16_grad.float() * scaler.inv_scale
+        overflow = found_inf_or_nan([main_grad], None)
         scaler.update(overflow)
         if overflow:
             skipped += 1
@@ -248,7 +227,7 @@ def test_scaler_with_overflow_check_skips_and_backs_off():
     assert w.item() == -2.0  # both clean steps applied the true gradient, the bad one nothing
 
 
-def _check_on_ranks(rank: int, world_size: int, case: str) -> tuple[bool, bool, int]:
+def _check_on_ranks(rank: int, world_size: int, case: str) -> tuple[bool, int]:
     import torch.distributed as dist
 
     calls = []
@@ -270,9 +249,7 @@ def _check_on_ranks(rank: int, world_size: int, case: str) -> tuple[bool, bool, 
         gs[0][4] = -INF
     group = dist.new_group([0, 1])
     found = found_inf_or_nan(gs, group)
-    n_calls = len(calls)
-    fused = unscale_and_check_(gs, 0.5, group)
-    return found, fused, n_calls
+    return found, len(calls)
 
 
 @pytest.mark.parametrize(
@@ -281,7 +258,6 @@ def _check_on_ranks(rank: int, world_size: int, case: str) -> tuple[bool, bool, 
 )
 def test_every_rank_agrees_after_one_all_reduce(case, expected):
     results = run_distributed(_check_on_ranks, 2, case)
-    for rank, (found, fused, n_calls) in enumerate(results):
+    for rank, (found, n_calls) in enumerate(results):
         assert found is expected, (rank, case)
-        assert fused is expected, (rank, case)
         assert n_calls == 1, f"rank {rank} made {n_calls} all-reduces, want exactly one"

@@ -180,12 +180,6 @@ def _flag_device(grads: Sequence[torch.Tensor], group: dist.ProcessGroup | None)
     return torch.device("cpu")
 
 
-def _all_reduce_max(flag: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
-    if group is not None:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    return bool(flag.item())
-
-
 @torch.no_grad()
 def found_inf_or_nan(grads: Sequence[torch.Tensor], group: dist.ProcessGroup | None) -> bool:
     """True on every rank of `group` if any rank's grads hold an inf or NaN.
@@ -205,28 +199,7 @@ def found_inf_or_nan(grads: Sequence[torch.Tensor], group: dist.ProcessGroup | N
         for ts in by_dtype.values()
     ]
     flag = torch.stack(bad).any() if bad else torch.zeros((), dtype=torch.bool, device=device)
-    return _all_reduce_max(flag.to(device=device, dtype=torch.float32), group)
-
-
-@torch.no_grad()
-def unscale_(grads: Sequence[torch.Tensor], inv_scale: float) -> None:
-    """Multiply every grad by `inv_scale` (the scaler's `inv_scale`) in place, fused."""
-    if grads:
-        torch._foreach_mul_(list(grads), inv_scale)
-
-
-@torch.no_grad()
-def unscale_and_check_(
-    grads: Sequence[torch.Tensor], inv_scale: float, group: dist.ProcessGroup | None
-) -> bool:
-    """`unscale_` and `found_inf_or_nan` in one pass over the grads, as Megatron does it.
-
-    Uses torch's AMP kernel (one read and write per element instead of two reads and a write).
-    Grads must be floating point on one device; the result is the same on every rank of `group`.
-    """
-    device = _flag_device(grads, group)
-    flag = torch.zeros(1, dtype=torch.float32, device=device)
-    if grads:
-        inv = torch.full((1,), inv_scale, dtype=torch.float32, device=device)
-        torch._amp_foreach_non_finite_check_and_unscale_(list(grads), flag, inv)
-    return _all_reduce_max(flag, group)
+    flag = flag.to(device=device, dtype=torch.float32)
+    if group is not None:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())
