@@ -86,13 +86,6 @@ class P2PCommunicator:
         """Wait for one posted receive; PipelineCommError naming the peer if it times out."""
         self._wait(work, op)
 
-    def exchange(
-        self, transfers: list[tuple[P2P, torch.Tensor, Callable[[], None] | None]]
-    ) -> None:
-        """Post one batch and return when every receive in it has landed."""
-        for op, work in self.post(transfers).items():
-            self._wait(work, op)
-
     def drain(self) -> None:
         """Wait for every send still in flight, then run its completion callback."""
         pending, self._in_flight = self._in_flight, []
