@@ -5,6 +5,7 @@ Pure string formatting; who prints what is decided in `printing.py` and `train.p
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 
@@ -40,11 +41,26 @@ def iteration_line(
     grad_norm: float | None,
     skipped_iterations: int,
     nan_iterations: int,
+    throughput_tflops_per_gpu: float | None = None,
+    tokens_per_second_per_gpu: float | None = None,
+    mfu: float | None = None,
 ) -> str:
-    """Megatron's training_log line; `losses` maps names ("lm loss") to interval averages."""
+    """Megatron's training_log line; `losses` maps names ("lm loss") to interval averages.
+
+    The speed fields (--log-throughput) follow the elapsed time, each printed only when given:
+    Megatron's `throughput per GPU (TFLOP/s/GPU)`, then megapipe's tokens per second per GPU
+    and MFU (a fraction, printed as a percentage; None without a known peak).
+    `flops.Throughput`'s fields have these names: `iteration_line(..., **asdict(t))`.
+    """
     line = f" iteration {iteration:8d}/{train_iters:8d} |"
     line += f" consumed samples: {consumed_samples:12d} |"
     line += f" elapsed time per iteration (ms): {elapsed_ms_per_iteration:.1f} |"
+    if throughput_tflops_per_gpu is not None:
+        line += f" throughput per GPU (TFLOP/s/GPU): {throughput_tflops_per_gpu:.1f} |"
+    if tokens_per_second_per_gpu is not None:
+        line += f" tokens per second per GPU: {tokens_per_second_per_gpu:.1f} |"
+    if mfu is not None:
+        line += f" MFU: {100 * mfu:.1f}% |"
     line += f" learning rate: {learning_rate:.6E} |"
     line += f" global batch size: {global_batch_size:5d} |"
     for name, value in losses.items():
@@ -55,3 +71,23 @@ def iteration_line(
     line += f" number of skipped iterations: {skipped_iterations:3d} |"
     line += f" number of nan iterations: {nan_iterations:3d} |"
     return line
+
+
+def validation_line(prefix: str, losses: Mapping[str, float]) -> str:
+    """Megatron's evaluation result: ` validation loss at {prefix} | lm loss value: ... | `.
+
+    prefix is `iteration N` during training, `iteration N on validation set` and
+    `iteration N on test set` at the end. PPL is exp(min(20, loss)), as Megatron caps it.
+    """
+    line = f" validation loss at {prefix} | "
+    for name, value in losses.items():
+        line += f"{name} value: {value:.6E} | "
+        line += f"{name} PPL: {math.exp(min(20.0, value)):.6E} | "
+    return line
+
+
+def validation_block(prefix: str, losses: Mapping[str, float]) -> str:
+    """The validation line between two rules of dashes one longer than it, as Megatron prints."""
+    line = validation_line(prefix, losses)
+    rule = "-" * (len(line) + 1)
+    return f"{rule}\n{line}\n{rule}"
