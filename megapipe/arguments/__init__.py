@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import sys
 import warnings
 from collections.abc import Sequence
 from typing import NoReturn
@@ -16,19 +18,33 @@ from typing import NoReturn
 import torch
 
 from megapipe.arguments.data_flags import NO_DATASET, add_data_args, data_config
+from megapipe.arguments.logging_flags import (
+    add_checkpoint_args,
+    add_logging_args,
+    add_validation_args,
+)
+from megapipe.arguments.megatron_compat import (
+    add_compat_args,
+    compat_notes,
+    refuse_unsupported,
+    unknown_flag_message,
+)
 from megapipe.arguments.model_flags import add_network_args, add_regularization_args
 from megapipe.arguments.parallel_flags import add_distributed_args, virtual_stages
 from megapipe.arguments.training_flags import add_optimizer_args, add_training_args
+from megapipe.arguments.validation import validate_configs, validate_parallel
 from megapipe.config import (
-    ConfigError,
+    CheckpointConfig,
     Configs,
+    LoggingConfig,
     ModelConfig,
     OptimizerConfig,
     ParallelConfig,
     TrainingConfig,
-    validate_configs,
 )
+from megapipe.errors import ConfigError
 from megapipe.parallel.initialize import default_backend
+from megapipe.training.batch_size import BatchSizeSchedule
 
 PROG = "pretrain_gpt.py"
 __all__ = ["NO_DATASET", "PROG", "build_parser", "parse_args"]
@@ -38,7 +54,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse that raises ConfigError instead of printing usage and exiting."""
 
     def error(self, message: str) -> NoReturn:
-        raise ConfigError(message)
+        raise ConfigError(unknown_flag_message(message, self))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_training_args(parser.add_argument_group("training"))
     add_optimizer_args(parser.add_argument_group("optimizer and mixed precision"))
     add_data_args(parser.add_argument_group("data"))
+    add_validation_args(parser.add_argument_group("validation"))
+    add_logging_args(parser.add_argument_group("logging"))
+    add_checkpoint_args(parser.add_argument_group("checkpointing"))
+    add_compat_args(parser.add_argument_group("Megatron-LM compatibility"))
     return parser
 
 
@@ -65,8 +85,10 @@ def parse_args(argv: Sequence[str] | None, world_size: int) -> Configs:
     Raises ConfigError naming the offending flags and values; warns (UserWarning) for settings
     Megatron-LM accepts but ignores. The warnings are also kept in `Configs.warnings`.
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    refuse_unsupported(argv)
     args = build_parser().parse_args(argv)
-    notes: list[str] = []
+    notes: list[str] = compat_notes(args)
 
     data, vocab_size, data_notes = data_config(args)
     notes += data_notes
@@ -119,28 +141,10 @@ def parse_args(argv: Sequence[str] | None, world_size: int) -> Configs:
         pipeline_trace=args.pipeline_trace,
         sequence_parallel=args.sequence_parallel,
         distributed_backend=backend,
+        distributed_timeout_minutes=args.distributed_timeout_minutes,
     )
-    parallel.validate(world_size)  # before the DP size below is computed from it
-    global_batch_size = args.global_batch_size
-    if global_batch_size is None:  # Megatron: one micro-batch per DP rank, no accumulation
-        global_batch_size = args.micro_batch_size * parallel.data_parallel_size(world_size)
-    training = TrainingConfig(
-        micro_batch_size=args.micro_batch_size,
-        global_batch_size=global_batch_size,
-        train_iters=args.train_iters,
-        lr=args.lr,
-        seed=args.seed,
-        log_interval=args.log_interval,
-        min_lr=args.min_lr,
-        lr_decay_style=args.lr_decay_style,
-        lr_decay_iters=args.lr_decay_iters,
-        lr_warmup_iters=args.lr_warmup_iters,
-        lr_warmup_fraction=args.lr_warmup_fraction,
-        lr_warmup_init=args.lr_warmup_init,
-        lr_wsd_decay_iters=args.lr_wsd_decay_iters,
-        lr_wsd_decay_style=args.lr_wsd_decay_style,
-        mock_data=args.mock_data,
-    )
+    validate_parallel(parallel, world_size)  # before the DP size below is computed from it
+    training = _training_config(args, parallel.data_parallel_size(world_size))
     optimizer = OptimizerConfig(
         optimizer=args.optimizer,
         adam_beta1=args.adam_beta1,
@@ -160,7 +164,117 @@ def parse_args(argv: Sequence[str] | None, world_size: int) -> Configs:
         loss_scale_window=args.loss_scale_window,
         hysteresis=args.hysteresis,
     )
-    configs = validate_configs(model, parallel, training, world_size, optimizer)
+    logging = LoggingConfig(
+        log_throughput=args.log_throughput,
+        device_peak_tflops=args.device_peak_tflops,
+        tensorboard_dir=args.tensorboard_dir,
+        tensorboard_log_interval=args.tensorboard_log_interval,
+        tensorboard_queue_size=args.tensorboard_queue_size,
+        log_timers_to_tensorboard=args.log_timers_to_tensorboard,
+        log_validation_ppl_to_tensorboard=args.log_validation_ppl_to_tensorboard,
+        log_learning_rate_to_tensorboard=args.log_learning_rate_to_tensorboard,
+        log_loss_scale_to_tensorboard=args.log_loss_scale_to_tensorboard,
+        log_batch_size_to_tensorboard=args.log_batch_size_to_tensorboard,
+    )
+    checkpoint = CheckpointConfig(save=args.save, load=args.load, save_interval=args.save_interval)
+    notes += checkpoint_notes(checkpoint)
+    configs = validate_configs(
+        model,
+        parallel,
+        training,
+        world_size,
+        optimizer,
+        data=data,
+        logging=logging,
+        checkpoint=checkpoint,
+        arguments=tuple((name, repr(value)) for name, value in sorted(vars(args).items())),
+    )
     for note in notes:
         warnings.warn(note, stacklevel=2)
-    return dataclasses.replace(configs, warnings=tuple(notes) + configs.warnings, data=data)
+    return dataclasses.replace(configs, warnings=tuple(notes) + configs.warnings)
+
+
+def _training_config(args: argparse.Namespace, data_parallel_size: int) -> TrainingConfig:
+    """The loop's settings; --train-samples and the sample-based LR flags become iterations."""
+    global_batch_size = args.global_batch_size
+    if global_batch_size is None:  # Megatron: one micro-batch per DP rank, no accumulation
+        global_batch_size = args.micro_batch_size * data_parallel_size
+    if (args.train_iters is None) == (args.train_samples is None):
+        raise ConfigError("pass exactly one of --train-iters and --train-samples")
+    lengths = {
+        "lr_decay_iters": args.lr_decay_iters,
+        "lr_warmup_iters": args.lr_warmup_iters,
+        "lr_wsd_decay_iters": args.lr_wsd_decay_iters,
+    }
+    train_iters = args.train_iters
+    if args.train_samples is not None:
+        for name in ("--lr-decay-iters", "--lr-warmup-iters", "--lr-wsd-decay-iters"):
+            value = getattr(args, name[2:].replace("-", "_"))
+            if value:
+                samples = name.replace("-iters", "-samples")
+                raise ConfigError(f"{name} needs --train-iters; with --train-samples use {samples}")
+        schedule = BatchSizeSchedule(
+            global_batch_size, args.micro_batch_size, data_parallel_size, args.rampup_batch_size
+        )
+        if args.micro_batch_size > 0 and global_batch_size > 0:
+            schedule.validate()
+        train_iters = schedule.iterations_for_samples(args.train_samples)
+        per_iteration = float(global_batch_size)  # Megatron's scheduler counts full batches
+        for name, samples in (
+            ("lr_decay_iters", args.lr_decay_samples),
+            ("lr_warmup_iters", args.lr_warmup_samples),
+            ("lr_wsd_decay_iters", args.lr_wsd_decay_samples),
+        ):
+            if samples:
+                lengths[name] = samples / per_iteration
+    else:
+        for name in ("--lr-decay-samples", "--lr-warmup-samples", "--lr-wsd-decay-samples"):
+            if getattr(args, name[2:].replace("-", "_")):
+                iters = name.replace("-samples", "-iters")
+                raise ConfigError(f"{name} needs --train-samples; with --train-iters use {iters}")
+    return TrainingConfig(
+        micro_batch_size=args.micro_batch_size,
+        global_batch_size=global_batch_size,
+        train_iters=train_iters,
+        train_samples=args.train_samples,
+        rampup_batch_size=tuple(args.rampup_batch_size) if args.rampup_batch_size else None,
+        lr=args.lr,
+        seed=args.seed,
+        log_interval=args.log_interval,
+        min_lr=args.min_lr,
+        lr_decay_style=args.lr_decay_style,
+        lr_warmup_fraction=args.lr_warmup_fraction,
+        lr_warmup_init=args.lr_warmup_init,
+        lr_wsd_decay_style=args.lr_wsd_decay_style,
+        eval_interval=args.eval_interval,
+        eval_iters=args.eval_iters,
+        skip_train=args.skip_train,
+        exit_interval=args.exit_interval,
+        exit_duration_in_mins=args.exit_duration_in_mins,
+        exit_signal_handler=args.exit_signal_handler,
+        **lengths,
+    )
+
+
+def checkpoint_notes(checkpoint: CheckpointConfig) -> list[str]:
+    """What the checkpoint flags do until checkpoints exist: --save is accepted and noted; a
+    --load directory without a checkpoint starts from scratch, as in Megatron; a --load
+    directory that holds one is refused rather than silently ignored."""
+    notes = []
+    if checkpoint.save is not None or checkpoint.save_interval is not None:
+        notes.append(
+            "--save/--save-interval have no effect yet: megapipe does not write checkpoints "
+            "(coming with the checkpoint issue)"
+        )
+    if checkpoint.load is not None:
+        tracker = os.path.join(checkpoint.load, "latest_checkpointed_iteration.txt")
+        if os.path.exists(tracker):
+            raise ConfigError(
+                f"--load {checkpoint.load} holds a checkpoint ({tracker}), but megapipe cannot "
+                "load checkpoints yet; drop --load to train from scratch"
+            )
+        notes.append(
+            f"--load {checkpoint.load}: no checkpoint found ({tracker} does not exist); "
+            "training starts from scratch"
+        )
+    return notes

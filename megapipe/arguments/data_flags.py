@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from megapipe.config import ConfigError, DataConfig
+from megapipe.config import DataConfig
+from megapipe.errors import ConfigError
 
 NO_DATASET = "no dataset: pass --mock-data, --data-path or --train-data-path"
 
@@ -72,16 +73,25 @@ def add_data_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--reset-attention-mask",
         action="store_true",
-        help="Attend only within a document (not supported yet; rejected).",
+        help="Attend only within a document (a per-document causal mask).",
     )
 
 
 def data_config(args: argparse.Namespace) -> tuple[DataConfig, int, list[str]]:
     """The data flags as a DataConfig, checked against the files they name; also returns the
     vocabulary size (the tokenizer's, else --vocab-size) and notes for the user."""
+    from megapipe.arguments.validation import validate_data
     from megapipe.data.config_check import check_data_config
     from megapipe.data.errors import DataError
 
+    notes: list[str] = []
+    tokenizer_type = args.tokenizer_type
+    if tokenizer_type is None and args.vocab_file and args.merge_file:
+        # Megatron-LM's own GPT-3 example passes vocab and merges files without a type.
+        tokenizer_type = "GPT2BPETokenizer"
+        notes.append(
+            "--vocab-file and --merge-file without --tokenizer-type: using GPT2BPETokenizer"
+        )
     data = DataConfig(
         mock_data=args.mock_data,
         data_path=tuple(args.data_path or ()),
@@ -90,7 +100,7 @@ def data_config(args: argparse.Namespace) -> tuple[DataConfig, int, list[str]]:
         valid_data_path=tuple(args.valid_data_path or ()),
         test_data_path=tuple(args.test_data_path or ()),
         data_cache_path=args.data_cache_path,
-        tokenizer_type=args.tokenizer_type,
+        tokenizer_type=tokenizer_type,
         tokenizer_model=args.tokenizer_model,
         vocab_file=args.vocab_file,
         merge_file=args.merge_file,
@@ -101,7 +111,7 @@ def data_config(args: argparse.Namespace) -> tuple[DataConfig, int, list[str]]:
     )
     if not (data.mock_data or data.real_data):
         raise ConfigError(NO_DATASET)
-    data.validate()
+    validate_data(data)
     try:
         check = check_data_config(data)
     except DataError as error:
@@ -110,4 +120,4 @@ def data_config(args: argparse.Namespace) -> tuple[DataConfig, int, list[str]]:
         raise ConfigError(
             "--mock-data needs --vocab-size (or --tokenizer-type, whose vocabulary size is used)"
         )
-    return data, check.vocab_size, list(check.notes)
+    return data, check.vocab_size, notes + list(check.notes)

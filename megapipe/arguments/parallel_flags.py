@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from megapipe.config import ConfigError
+from megapipe.errors import ConfigError
 
 
 def add_distributed_args(group: argparse._ArgumentGroup) -> None:
@@ -76,6 +76,12 @@ def add_distributed_args(group: argparse._ArgumentGroup) -> None:
         "--sequence-parallel",
         action="store_true",
         help="Enable sequence parallelism (needs --tensor-model-parallel-size > 1).",
+    )
+    group.add_argument(
+        "--distributed-timeout-minutes",
+        type=float,
+        default=10.0,
+        help="Minutes a collective waits for its peers before failing. Default: 10.",
     )
     group.add_argument(
         "--distributed-backend",

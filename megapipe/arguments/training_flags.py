@@ -21,16 +21,61 @@ def add_training_args(group: argparse._ArgumentGroup) -> None:
         "value means gradient accumulation over micro-batches.",
     )
     group.add_argument(
-        "--train-iters", type=int, required=True, help="Total number of iterations to train."
+        "--rampup-batch-size",
+        nargs=3,
+        type=int,
+        default=None,
+        metavar=("START", "INCREMENT", "SAMPLES"),
+        help="Batch size ramp-up: start at START, grow by INCREMENT up to --global-batch-size "
+        "over SAMPLES samples (the number of micro-batches per step grows with it). Unlike "
+        "Megatron-LM, also allowed with --train-iters.",
     )
     group.add_argument(
-        "--lr", type=float, required=True, help="Learning rate (constant for now; Adam)."
+        "--train-iters",
+        type=int,
+        default=None,
+        help="Total number of iterations to train (or give --train-samples).",
+    )
+    group.add_argument(
+        "--train-samples",
+        type=int,
+        default=None,
+        help="Total number of samples to train on (instead of --train-iters).",
+    )
+    group.add_argument(
+        "--lr",
+        type=float,
+        required=True,
+        help="Peak learning rate; warmup and decay follow --lr-decay-style.",
     )
     group.add_argument(
         "--seed",
         type=int,
         default=1234,
-        help="Random seed for python, numpy, torch. Default: 1234.",
+        help="Random seed of parameter initialisation (drawn per parameter name), dropout "
+        "masks, mock data and dataset shuffles. Default: 1234.",
+    )
+    group.add_argument(
+        "--exit-interval",
+        type=int,
+        default=None,
+        help="Exit the program after the iteration is divisible by this value.",
+    )
+    group.add_argument(
+        "--exit-duration-in-mins",
+        type=float,
+        default=None,
+        help="Exit the program after this many minutes of training (all ranks agree).",
+    )
+    group.add_argument(
+        "--exit-signal-handler",
+        action="store_true",
+        help="On SIGTERM, finish the current iteration on every rank, then exit with status 0.",
+    )
+    group.add_argument(
+        "--skip-train",
+        action="store_true",
+        help="Skip training: only evaluate on the validation and test splits.",
     )
     group.add_argument(
         "--log-interval",
@@ -140,7 +185,19 @@ def add_optimizer_args(group: argparse._ArgumentGroup) -> None:
         default=None,
         help="Iterations to decay over. Default: --train-iters.",
     )
+    add(
+        "--lr-decay-samples",
+        type=int,
+        default=None,
+        help="Samples to decay over (with --train-samples). Default: --train-samples.",
+    )
     add("--lr-warmup-iters", type=int, default=0, help="Iterations of linear warmup. Default: 0.")
+    add(
+        "--lr-warmup-samples",
+        type=int,
+        default=0,
+        help="Samples of linear warmup (with --train-samples). Default: 0.",
+    )
     add(
         "--lr-warmup-fraction",
         type=float,
@@ -158,6 +215,12 @@ def add_optimizer_args(group: argparse._ArgumentGroup) -> None:
         type=int,
         default=None,
         help="WSD: iterations of the final decay phase.",
+    )
+    add(
+        "--lr-wsd-decay-samples",
+        type=int,
+        default=None,
+        help="WSD: samples of the final decay phase (with --train-samples).",
     )
     add(
         "--lr-wsd-decay-style",

@@ -19,7 +19,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from megapipe.config import ConfigError
+from megapipe.config import TrainingConfig
+from megapipe.errors import ConfigError
 
 DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
@@ -214,4 +215,21 @@ def resolve_schedule(
         wsd_decay_style=lr_wsd_decay_style,
         warmup_init_lr=lr_warmup_init,
         global_batch_size=global_batch_size,
+    )
+
+
+def lr_schedule_of(training: TrainingConfig) -> LRSchedule:
+    """The learning-rate schedule the training flags describe (ConfigError if they conflict)."""
+    return resolve_schedule(
+        lr=training.lr,
+        min_lr=training.min_lr,
+        train_iters=training.train_iters,
+        lr_decay_iters=training.lr_decay_iters,
+        lr_warmup_iters=training.lr_warmup_iters,
+        lr_warmup_fraction=training.lr_warmup_fraction,
+        lr_decay_style=training.lr_decay_style,
+        lr_wsd_decay_iters=training.lr_wsd_decay_iters,
+        lr_wsd_decay_style=training.lr_wsd_decay_style,
+        lr_warmup_init=training.lr_warmup_init,
+        global_batch_size=training.global_batch_size,
     )

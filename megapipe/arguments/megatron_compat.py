@@ -1,0 +1,195 @@
+"""Megatron-LM flags beyond the ones megapipe implements: which are accepted with no effect here,
+which are refused by name, and what an unknown flag probably meant.
+
+A Megatron-LM user's launch script carries flags that only matter on a GPU with fused kernels
+(`--no-masked-softmax-fusion`, `--use-flash-attn`, ...). Those are accepted and reported once at
+start-up as having no effect, so the script runs unchanged. A Megatron-LM feature megapipe does
+not have yet (`--num-experts`, `--context-parallel-size 2`) is refused with a line that names
+it, rather than argparse's generic "unrecognized arguments", and never silently ignored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from megapipe.errors import ConfigError
+
+FUSED_KERNELS = "megapipe has no fused kernels yet: these ops run as plain PyTorch"
+ATTENTION = "attention runs through torch's scaled_dot_product_attention, which picks its backend"
+NO_TE = "TransformerEngine is not used: megapipe's own layers run (the 'local' implementation)"
+CHECKPOINTS = "checkpoints are not written or read yet (the checkpoint issue)"
+
+
+@dataclass(frozen=True)
+class NoEffectFlag:
+    """A Megatron-LM flag accepted for compatibility that changes nothing here.
+
+    `nargs` is 0 for a switch, else argparse's nargs. A value in `matching_values` is what
+    megapipe does anyway, so it is accepted without a note.
+    """
+
+    flag: str
+    reason: str
+    nargs: int | str = 0
+    matching_values: tuple[str, ...] = ()
+
+    @property
+    def dest(self) -> str:
+        return "compat_" + self.flag.lstrip("-").replace("-", "_")
+
+
+NO_EFFECT_FLAGS: tuple[NoEffectFlag, ...] = (
+    NoEffectFlag("--attention-backend", ATTENTION, 1, ("auto",)),
+    NoEffectFlag("--use-flash-attn", ATTENTION),
+    NoEffectFlag("--transformer-impl", NO_TE, 1, ("local",)),
+    NoEffectFlag("--use-mcore-models", "megapipe has one model implementation"),
+    NoEffectFlag("--no-masked-softmax-fusion", FUSED_KERNELS),
+    NoEffectFlag("--no-bias-gelu-fusion", FUSED_KERNELS),
+    NoEffectFlag("--no-bias-swiglu-fusion", FUSED_KERNELS),
+    NoEffectFlag("--no-bias-dropout-fusion", FUSED_KERNELS),
+    NoEffectFlag("--no-rope-fusion", FUSED_KERNELS),
+    NoEffectFlag("--no-persist-layer-norm", FUSED_KERNELS),
+    NoEffectFlag("--cross-entropy-loss-fusion", FUSED_KERNELS),
+    NoEffectFlag("--no-gradient-accumulation-fusion", FUSED_KERNELS),
+    NoEffectFlag(
+        "--no-async-tensor-model-parallel-allreduce",
+        "tensor-parallel all-reduces are not overlapped with computation yet",
+    ),
+    NoEffectFlag("--tp-comm-overlap", "tensor-parallel communication is not overlapped yet"),
+    NoEffectFlag("--overlap-param-gather", "parameter all-gathers run after the optimizer step"),
+    NoEffectFlag(
+        "--use-cpu-initialization",
+        "parameters are always initialised from (seed, name) on the CPU generator",
+    ),
+    NoEffectFlag("--empty-unused-memory-level", "the CUDA cache is never emptied", 1, ("0",)),
+    NoEffectFlag("--num-workers", "batches are read in the training process", 1),
+    NoEffectFlag("--dataloader-type", "samples are read in order", 1, ("single",)),
+    NoEffectFlag("--manual-gc", "Python's garbage collector runs as usual"),
+    NoEffectFlag("--ckpt-format", CHECKPOINTS, 1),
+    NoEffectFlag("--no-save-optim", CHECKPOINTS),
+    NoEffectFlag("--no-save-rng", CHECKPOINTS),
+    NoEffectFlag("--no-load-optim", CHECKPOINTS),
+    NoEffectFlag("--no-load-rng", CHECKPOINTS),
+    NoEffectFlag("--finetune", CHECKPOINTS),
+    NoEffectFlag("--exit-on-missing-checkpoint", CHECKPOINTS),
+    NoEffectFlag("--ckpt-step", CHECKPOINTS, 1),
+    NoEffectFlag("--async-save", CHECKPOINTS),
+    NoEffectFlag("--timing-log-level", "the log line always shows the iteration time", 1, ("0",)),
+)
+
+# Megatron-LM features megapipe does not have: refused by name (argv is scanned for them
+# before argparse sees it, so a value after the flag does not matter).
+UNSUPPORTED_FLAGS: tuple[str, ...] = (
+    "--num-experts",
+    "--moe-router-topk",
+    "--moe-grouped-gemm",
+    "--moe-aux-loss-coeff",
+    "--moe-router-load-balancing-type",
+    "--moe-token-dispatcher-type",
+    "--moe-ffn-hidden-size",
+    "--recompute-activations",
+    "--recompute-granularity",
+    "--recompute-method",
+    "--recompute-num-layers",
+    "--fp8-format",
+    "--fp8",
+    "--wandb-project",
+    "--wandb-exp-name",
+    "--wandb-save-dir",
+    "--use-legacy-models",
+    "--spec",
+    "--yaml-cfg",
+    "--use-torch-fsdp2",
+    "--multi-latent-attention",
+    "--kv-channels",
+    "--qk-layernorm",
+    "--apply-residual-connection-post-layernorm",
+    "--openai-gelu",
+    "--squared-relu",
+    "--rotary-percent",
+    "--use-rotary-position-embeddings",
+    "--log-params-norm",
+    "--log-num-zeros-in-grad",
+    "--profile",
+    "--use-pytorch-profiler",
+    "--decoupled-lr",
+    "--pipeline-model-parallel-split-rank",
+    "--encoder-num-layers",
+    "--decoder-num-layers",
+    "--log-memory-to-tensorboard",
+    "--log-world-size-to-tensorboard",
+    "--sft",
+)
+
+# Parallelism kinds megapipe does not have: accepted at their default of 1.
+SIZE_ONE_FLAGS: dict[str, str] = {
+    "--context-parallel-size": "context parallelism",
+    "--expert-model-parallel-size": "expert parallelism",
+    "--expert-tensor-parallel-size": "expert tensor parallelism",
+}
+
+
+def refuse_unsupported(argv: Sequence[str]) -> None:
+    """ConfigError for the first Megatron-LM flag in `argv` that megapipe does not support."""
+    for token in argv:
+        name = token.split("=", 1)[0]
+        if name in UNSUPPORTED_FLAGS:
+            raise ConfigError(f"{name} is a Megatron-LM flag that megapipe does not support yet")
+
+
+def add_compat_args(group: argparse._ArgumentGroup) -> None:
+    """Register the accepted-with-no-effect flags and the size-one parallelism flags."""
+    for item in NO_EFFECT_FLAGS:
+        if item.nargs == 0:
+            group.add_argument(
+                item.flag, dest=item.dest, action="store_true", help=argparse.SUPPRESS
+            )
+        else:
+            group.add_argument(
+                item.flag, dest=item.dest, default=None, nargs=None, help=argparse.SUPPRESS
+            )
+    for name, kind in SIZE_ONE_FLAGS.items():
+        group.add_argument(
+            name,
+            type=int,
+            default=1,
+            help=f"Accepted for Megatron-LM compatibility; {kind} is not supported, so only 1.",
+        )
+
+
+def compat_notes(args: argparse.Namespace) -> list[str]:
+    """One note per no-effect flag the user gave; ConfigError for a size-one flag above 1."""
+    for name, kind in SIZE_ONE_FLAGS.items():
+        value = getattr(args, name.lstrip("-").replace("-", "_"))
+        if value != 1:
+            raise ConfigError(
+                f"{name} {value}: {kind} is a Megatron-LM feature that megapipe does not "
+                "support yet (only 1)"
+            )
+    notes = []
+    for item in NO_EFFECT_FLAGS:
+        value = getattr(args, item.dest)
+        if value in (None, False) or value in item.matching_values:
+            continue
+        given = item.flag if value is True else f"{item.flag} {value}"
+        notes.append(f"{given} has no effect here: {item.reason}")
+    return notes
+
+
+def unknown_flag_message(message: str, parser: argparse.ArgumentParser) -> str:
+    """argparse's "unrecognized arguments: --x" with the closest real flag suggested."""
+    prefix = "unrecognized arguments: "
+    if not message.startswith(prefix):
+        return message
+    known = [s for action in parser._actions for s in action.option_strings if s.startswith("--")]
+    hints = []
+    for token in message[len(prefix) :].split():
+        name = token.split("=", 1)[0]
+        if not name.startswith("--"):
+            continue
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
+        hints.append(f"{name}: did you mean {close[0]}?" if close else f"{name} is not a flag")
+    return message + (f" ({'; '.join(hints)})" if hints else "")
