@@ -2,7 +2,8 @@
 # The README's first command: train a small GPT on real English on a CPU machine, nothing
 # downloaded. Builds a corpus from text that ships with Python, trains a SentencePiece
 # tokenizer on it, preprocesses it into Megatron's .bin/.idx format, and trains with a 2-stage
-# pipeline over 2 CPU ranks (gloo). Override the run directory or rank count with
+# pipeline over 2 CPU ranks (gloo), evaluating on the validation split and writing TensorBoard
+# logs to $RUN_DIR/tensorboard. Override the run directory or rank count with
 #   RUN_DIR=... NPROC=... bash examples/pretrain_gpt_demo_cpu.sh [extra pretrain_gpt.py flags]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,4 +26,8 @@ OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node "$NPROC" pretrain_gpt.p
     --attention-dropout 0.0 --hidden-dropout 0.0 \
     --data-path "$RUN_DIR/corpus_text_document" --split 98,2,0 \
     --tokenizer-type GPTSentencePieceTokenizer --tokenizer-model "$RUN_DIR/tok.model" \
-    --data-cache-path "$RUN_DIR/cache" "$@"
+    --data-cache-path "$RUN_DIR/cache" \
+    --eval-interval 20 --eval-iters 2 --log-throughput --tensorboard-dir "$RUN_DIR/tensorboard" "$@"
+
+echo "TensorBoard logs: $RUN_DIR/tensorboard"
+echo "  view them with: tensorboard --logdir $RUN_DIR/tensorboard"

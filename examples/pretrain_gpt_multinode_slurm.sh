@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+#SBATCH --job-name=megapipe-gpt
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=8
+#SBATCH --exclusive
+#SBATCH --time=04:00:00
+#SBATCH --output=megapipe-%j.out
+# GPT-3 1.3B-class pre-training on several DGX nodes with SLURM: one torchrun agent per node
+# (srun starts one task per node), the agents meet through torchrun's c10d rendezvous on the
+# first node. TP=2 stays inside a node (NVLink), PP=4, and DP = number of nodes x 8 / 8.
+#
+#   DATA_PATH=/data/my-gpt2_text_document VOCAB_FILE=/data/gpt2-vocab.json \
+#   MERGE_FILE=/data/gpt2-merges.txt RUN_DIR=/shared/runs/gpt-1.3b \
+#   sbatch --nodes 4 examples/pretrain_gpt_multinode_slurm.sh [extra pretrain_gpt.py flags]
+#
+# Submit from the megapipe checkout (sbatch runs a copy of this script, so the checkout is found
+# from SLURM_SUBMIT_DIR; or set MEGAPIPE_DIR). RUN_DIR and the data must be on a file system
+# every node sees. The rendezvous is tested on one host by tests/test_multinode.py.
+set -euo pipefail
+
+MEGAPIPE_DIR=${MEGAPIPE_DIR:-${SLURM_SUBMIT_DIR:-$(cd "$(dirname "$0")/.." && pwd)}}
+DATA_PATH=${DATA_PATH:-/data/my-gpt2_text_document}
+VOCAB_FILE=${VOCAB_FILE:-/data/gpt2-vocab.json}
+MERGE_FILE=${MERGE_FILE:-/data/gpt2-merges.txt}
+RUN_DIR=${RUN_DIR:-$MEGAPIPE_DIR/runs/gpt-1.3b-multinode}
+GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+RDZV_PORT=${RDZV_PORT:-29500}
+TRAIN_ITERS=${TRAIN_ITERS:-20000}
+
+# ---- checks (on the first node; the others are alike under --exclusive): report all, exit 1 ----
+missing=()
+if [[ -z "${SLURM_JOB_ID:-}" || -z "${SLURM_NNODES:-}" || -z "${SLURM_JOB_NODELIST:-}" ]]; then
+    missing+=("not inside a SLURM job (SLURM_JOB_ID/SLURM_NNODES/SLURM_JOB_NODELIST unset): submit with sbatch")
+fi
+for tool in srun scontrol; do
+    command -v "$tool" >/dev/null 2>&1 || missing+=("$tool not found: this script needs SLURM")
+done
+if ! command -v nvidia-smi >/dev/null 2>&1; then
+    missing+=("nvidia-smi not found: this script needs nodes with $GPUS_PER_NODE NVIDIA GPUs")
+elif ! gpu_list=$(nvidia-smi --list-gpus 2>&1); then
+    missing+=("nvidia-smi failed: ${gpu_list%%$'\n'*}")
+else
+    gpus=$(grep -c '^GPU ' <<<"$gpu_list" || true)
+    if ((gpus < GPUS_PER_NODE)); then
+        missing+=("found $gpus GPUs, need $GPUS_PER_NODE (set GPUS_PER_NODE, and the layout, to match)")
+    fi
+fi
+command -v torchrun >/dev/null 2>&1 || missing+=("torchrun not found: install PyTorch")
+[[ -f "$MEGAPIPE_DIR/pretrain_gpt.py" ]] ||
+    missing+=("$MEGAPIPE_DIR/pretrain_gpt.py not found: submit from the megapipe checkout or set MEGAPIPE_DIR")
+[[ -f "$VOCAB_FILE" ]] || missing+=("vocab file VOCAB_FILE=$VOCAB_FILE not found (GPT-2 vocab.json)")
+[[ -f "$MERGE_FILE" ]] || missing+=("merge file MERGE_FILE=$MERGE_FILE not found (GPT-2 merges.txt)")
+read -r -a data_words <<<"$DATA_PATH"
+for word in "${data_words[@]}"; do
+    [[ "$word" =~ ^[0-9.eE+-]+$ ]] && continue # a blend weight, not a prefix
+    for ext in bin idx; do
+        [[ -f "$word.$ext" ]] || missing+=("data file $word.$ext not found (DATA_PATH=$DATA_PATH)")
+    done
+done
+if ((${#missing[@]})); then
+    echo "$(basename "$0"): cannot start:" >&2
+    printf '  - %s\n' "${missing[@]}" >&2
+    exit 1
+fi
+
+# ---- environment (srun passes it on to every node) ----
+export CUDA_DEVICE_MAX_CONNECTIONS=1 # keeps TP/SP communication in issue order, as Megatron needs
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
+# export NCCL_DEBUG=INFO             # uncomment to see NCCL's topology and any hang's cause
+# export NCCL_SOCKET_IFNAME=...      # the interface the nodes reach each other on, if not found
+
+HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+echo "rendezvous: $HEAD:$RDZV_PORT, $SLURM_NNODES nodes x $GPUS_PER_NODE GPUs, job $SLURM_JOB_ID"
+mkdir -p "$RUN_DIR"
+cd "$MEGAPIPE_DIR"
+srun --kill-on-bad-exit=1 torchrun \
+    --nnodes "$SLURM_NNODES" --nproc_per_node "$GPUS_PER_NODE" \
+    --rdzv-backend c10d --rdzv-endpoint "$HEAD:$RDZV_PORT" --rdzv-id "$SLURM_JOB_ID" \
+    pretrain_gpt.py \
+    --tensor-model-parallel-size 2 --pipeline-model-parallel-size 4 \
+    --num-layers 24 --hidden-size 2048 --num-attention-heads 16 \
+    --seq-length 2048 --max-position-embeddings 2048 \
+    --micro-batch-size 2 --global-batch-size 512 \
+    --train-iters "$TRAIN_ITERS" --lr 2.0e-4 --min-lr 2.0e-5 --lr-decay-style cosine \
+    --lr-decay-iters "$TRAIN_ITERS" --lr-warmup-fraction 0.01 \
+    --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --init-method-std 0.02 \
+    --clip-grad 1.0 --attention-dropout 0.1 --hidden-dropout 0.1 \
+    --bf16 --use-distributed-optimizer --overlap-grad-reduce \
+    --tokenizer-type GPT2BPETokenizer --vocab-file "$VOCAB_FILE" --merge-file "$MERGE_FILE" \
+    --data-path "${data_words[@]}" --split 949,50,1 --data-cache-path "$RUN_DIR/cache" \
+    --log-interval 10 --log-throughput \
+    --eval-interval 1000 --eval-iters 10 \
+    --save "$RUN_DIR/checkpoints" --load "$RUN_DIR/checkpoints" --save-interval 1000 \
+    --tensorboard-dir "$RUN_DIR/tensorboard" "$@"
+
+echo "TensorBoard logs: $RUN_DIR/tensorboard  (view: tensorboard --logdir $RUN_DIR/tensorboard)"
