@@ -29,10 +29,13 @@ class GPTBatchSource:
     """Micro-batches of tokens, next-token labels, loss mask, and the optional position ids
     and attention mask that --reset-position-ids and --reset-attention-mask ask for."""
 
-    def __init__(self, dataset: SampleDataset, vocab_size: int, masks: MaskOptions) -> None:
+    def __init__(
+        self, dataset: SampleDataset, vocab_size: int, masks: MaskOptions, split: str = "train"
+    ) -> None:
         self.dataset = dataset
         self.vocab_size = vocab_size
         self.masks = masks
+        self.split = split  # which split the samples are (named in errors)
 
     def samples(self, indices: Sequence[int]) -> torch.Tensor:
         """[len(indices), seq_length + 1] int64 token ids."""
@@ -40,8 +43,8 @@ class GPTBatchSource:
         for index in indices:
             if not 0 <= index < len(self.dataset):
                 raise DataError(
-                    f"sample {index} is beyond the {len(self.dataset)} samples built for this "
-                    "run (more iterations than the dataset was built for?)"
+                    f"{self.split} sample {index} is beyond the {len(self.dataset)} {self.split} "
+                    "samples built for this run (more iterations than the dataset was built for?)"
                 )
             rows.append(self.dataset[index])
         tokens = torch.from_numpy(np.stack(rows))
