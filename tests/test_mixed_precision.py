@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import torch._dynamo  # noqa: F401  (imported once here so that forked ranks inherit it)
 
 from megapipe.arguments import parse_args
@@ -119,3 +120,29 @@ def test_nan_loss_exits_non_zero_with_one_line(tmp_path: Path):
         "pretrain_gpt.py: error: iteration 1: lm loss is nan; stopping before "
         "the optimizer step, so the weights are those of the previous iteration"
     ]
+
+
+def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank_over_the_world_group():
+    from megapipe.distributed import loss_scaler
+    from megapipe.training.train import build_model_chunks_for, build_optimizer
+
+    def step(rank, world, extra):
+        configs = parse_args(TINY + ["--fp16"] + extra, world)
+        state = ParallelState.build()
+        optimizer = build_optimizer(build_model_chunks_for(configs, state), configs, state)
+        params = [p for buffer in optimizer.buffers for p in buffer.params]
+        before = [p.detach().clone() for p in params]
+        for p in params:
+            p.main_grad.fill_(1e-3)
+        if rank == 1:  # inside this rank's own shard (what it checks) also when sharded
+            optimizer.masters[0].grad[0] = float("inf")
+        groups, real = [], loss_scaler.dist.all_reduce
+        loss_scaler.dist.all_reduce = lambda t, **kw: groups.append(kw["group"]) or real(t, **kw)
+        outcome = optimizer.step(1e-3)
+        loss_scaler.dist.all_reduce = real
+        unchanged = all(torch.equal(p, b) for p, b in zip(params, before))
+        return outcome.skipped, unchanged, groups == [state.world.pg], state.world.ranks
+
+    for extra in ([], ["--use-distributed-optimizer"]):
+        for skipped, unchanged, over_world, ranks in run_distributed(step, 2, extra):
+            assert (skipped, unchanged, over_world, ranks) == (True, True, True, (0, 1))

@@ -18,7 +18,8 @@ def test_layout_of_eight_ranks_matches_megatron_order():
     assert g["pp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert g["model_parallel"] == [[0, 1, 4, 5], [2, 3, 6, 7]]
     assert g["embedding"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert g["position_embedding"] == [[0], [1], [2], [3]]
+    assert g["world"] == [[0, 1, 2, 3, 4, 5, 6, 7]]
+    assert set(g) == {"world", "tp", "dp", "pp", "model_parallel", "embedding"}
 
 
 def test_embedding_group_is_first_and_last_stage():
@@ -32,7 +33,7 @@ def test_embedding_group_is_first_and_last_stage():
 def test_every_kind_partitions_the_world(tp, pp, dp):
     world = tp * pp * dp
     g = rank_layout(world, tp, pp)
-    sizes = {"tp": tp, "pp": pp, "dp": dp, "model_parallel": tp * pp}
+    sizes = {"world": world, "tp": tp, "pp": pp, "dp": dp, "model_parallel": tp * pp}
     for kind, size in sizes.items():
         assert sorted(r for grp in g[kind] for r in grp) == list(range(world)), kind
         assert all(len(grp) == size for grp in g[kind]), kind
@@ -86,5 +87,6 @@ def test_built_groups_communicate_within_their_members():
 
 def test_single_rank_state_needs_no_process_group():
     state = ParallelState.single()
-    assert state.tp.size == state.pp.size == state.dp.size == 1
+    assert state.tp.size == state.pp.size == state.dp.size == state.world.size == 1
+    assert state.world.pg is None  # a group of one: collectives over it are skipped
     assert state.is_first_stage and state.is_last_stage

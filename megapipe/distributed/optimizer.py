@@ -137,8 +137,7 @@ class ShardedOptimizer:
             inv_scale = 1.0 / self.scaler.scale
             if inv_scale != 1.0:
                 torch._foreach_mul_(grads, inv_scale)
-            world = dist.group.WORLD if dist.is_initialized() else None
-            if found_inf_or_nan(grads, world):
+            if found_inf_or_nan(grads, self.state.world.pg):
                 self.scaler.update(True)
                 return StepOutcome(skipped=True, grad_norm=float("nan"))
         norm = self.grad_norm()

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from megapipe.config import ConfigError
 
-GROUP_KINDS = ("tp", "pp", "dp", "model_parallel", "embedding", "position_embedding")
+GROUP_KINDS = ("world", "tp", "pp", "dp", "model_parallel", "embedding")
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,7 @@ def rank_layout(world_size: int, tp: int, pp: int) -> dict[str, list[list[int]]]
         return t + tp * (d + dp * p)
 
     groups: dict[str, list[list[int]]] = {
+        "world": [list(range(world_size))],
         "tp": [[rank(t, d, p) for t in range(tp)] for p in range(pp) for d in range(dp)],
         "dp": [[rank(t, d, p) for d in range(dp)] for p in range(pp) for t in range(tp)],
         "pp": [[rank(t, d, p) for p in range(pp)] for d in range(dp) for t in range(tp)],
@@ -64,7 +65,6 @@ def rank_layout(world_size: int, tp: int, pp: int) -> dict[str, list[list[int]]]
     }
     # Tied input/output embeddings live on the first and last stage; their grads meet here.
     groups["embedding"] = [sorted({g[0], g[-1]}) for g in groups["pp"]]
-    groups["position_embedding"] = [[g[0]] for g in groups["pp"]]
     return groups
 
 
@@ -74,12 +74,12 @@ class ParallelState:
 
     world_size: int
     rank: int
+    world: Group  # every rank (its own torch group: nothing reads dist.group.WORLD)
     tp: Group
     pp: Group
     dp: Group
     model_parallel: Group
     embedding: Group | None  # None on middle pipeline stages, which hold no embedding
-    position_embedding: Group | None  # None off the first stage
     device: torch.device
 
     @property
@@ -106,7 +106,8 @@ class ParallelState:
     def single(cls, device: torch.device | str = "cpu") -> ParallelState:
         """A one-rank world: every group is just this rank; no torch.distributed needed."""
         one = Group.single()
-        return cls(1, 0, one, one, one, one, one, one, torch.device(device))
+        groups = dict.fromkeys(GROUP_KINDS, one)
+        return cls(1, 0, device=torch.device(device), **groups)
 
     @classmethod
     def build(
