@@ -95,6 +95,7 @@ def test_seq_length_above_max_position_embeddings_with_learned_positions() -> No
 
 
 def test_seq_length_above_max_position_embeddings_is_fine_with_rope() -> None:
+    # rope has no learned table; tests/test_rotary.py trains such a model
     configs = parse_args(
         argv(seq_length=64, max_position_embeddings=32, position_embedding_type="rope"), 1
     )

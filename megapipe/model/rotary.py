@@ -6,19 +6,32 @@ import torch
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """cos/sin tables for positions [0, max_positions), shaped [s, 1, 1, head_dim]."""
+    """cos/sin tables shaped [s, 1, 1, head_dim], built for `max_positions` positions.
+
+    RoPE has no learned table, so `max_positions` (--max-position-embeddings) is only the
+    table's first size: a longer sequence (Megatron lets --seq-length exceed it under rope)
+    rebuilds the tables for its length, once.
+    """
 
     def __init__(self, head_dim: int, max_positions: int, base: int = 10000) -> None:
         super().__init__()
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-        angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
+        self.head_dim, self.base = head_dim, base
+        cos, sin = self._tables(max_positions, torch.device("cpu"))
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def _tables(self, positions: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim
+        inv_freq = 1.0 / (self.base**exponents)
+        angles = torch.outer(torch.arange(positions, dtype=torch.float64), inv_freq)
         angles = torch.cat([angles, angles], dim=-1)[:, None, None, :]
-        self.register_buffer("cos", angles.cos().float(), persistent=False)
-        self.register_buffer("sin", angles.sin().float(), persistent=False)
+        return angles.cos().float().to(device), angles.sin().float().to(device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Rotate x of shape [s, b, heads, head_dim] by the angles of positions 0..s-1."""
         s = x.shape[0]
+        if s > self.cos.shape[0]:
+            self.cos, self.sin = self._tables(s, self.cos.device)
         cos, sin = self.cos[:s].to(x.dtype), self.sin[:s].to(x.dtype)
         first, second = x.chunk(2, dim=-1)
         return x * cos + torch.cat([-second, first], dim=-1) * sin

@@ -1,0 +1,82 @@
+"""RoPE against the complex-number rotation it stands for, and past --max-position-embeddings.
+
+Reference: the rotate-half form pairs channel i with channel i + d/2 and turns the pair, read as
+the complex number first + i * second, by position * base^(-2i/d). Rope has no learned table,
+so a model whose --seq-length exceeds --max-position-embeddings must run (Megatron allows it).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megapipe.config import ModelConfig
+from megapipe.model import GPTModel
+from megapipe.model.rotary import RotaryEmbedding
+from megapipe.parallel.random import RNGTracker
+from megapipe.parallel.state import ParallelState
+from megapipe.testing import run_distributed, train_with_flags
+
+
+class ComplexRotary(torch.nn.Module):
+    """Reference RoPE: a complex multiplication per channel pair, angles in float64."""
+
+    def __init__(self, head_dim: int, base: int) -> None:
+        super().__init__()
+        self.head_dim, self.base = head_dim, base
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s, half = x.shape[0], self.head_dim // 2
+        freq = [self.base ** (-2 * i / self.head_dim) for i in range(half)]
+        angles = torch.tensor([[p * f for f in freq] for p in range(s)], dtype=torch.float64)
+        turn = torch.polar(torch.ones_like(angles), angles)[:, None, None, :]
+        z = torch.complex(x[..., :half].double(), x[..., half:].double()) * turn
+        return torch.cat([z.real, z.imag], dim=-1).to(x.dtype)
+
+
+def test_rotary_equals_the_complex_rotation() -> None:
+    x = torch.randn(12, 2, 3, 8)
+    got = RotaryEmbedding(head_dim=8, max_positions=12, base=500)(x)
+    torch.testing.assert_close(got, ComplexRotary(8, 500)(x), rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(got[1:], x[1:])  # positions past 0 really turned
+
+
+def test_rotary_past_its_first_table_size_equals_the_complex_rotation() -> None:
+    rotary = RotaryEmbedding(head_dim=8, max_positions=4, base=10000)
+    x = torch.randn(20, 1, 2, 8, dtype=torch.float64)
+    torch.testing.assert_close(rotary(x), ComplexRotary(8, 10000)(x), rtol=1e-6, atol=1e-6)
+    assert rotary.cos.shape[0] == 20
+
+
+def test_rope_model_with_seq_length_above_max_position_embeddings_uses_reference_rope() -> None:
+    config = ModelConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, seq_length=16,
+        max_position_embeddings=4, position_embedding_type="rope", rotary_base=1000,
+        attention_dropout=0.0, hidden_dropout=0.0,
+    )  # fmt: skip
+    model = GPTModel(config, ParallelState.single(), RNGTracker(3), seed=3).eval()
+    tokens = torch.randint(64, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(tokens)
+        model.rotary = ComplexRotary(config.head_dim, config.rotary_base)
+        reference = model(tokens)
+    assert logits.shape[0] == 16
+    torch.testing.assert_close(logits, reference, rtol=1e-5, atol=1e-5)
+
+
+def _train(rank: int, world: int, argv: list[str]) -> list[float]:
+    return [r.lm_loss for r in train_with_flags(rank, world, argv)[0]]
+
+
+def test_rope_trains_with_seq_length_above_max_position_embeddings() -> None:
+    argv = [
+        "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "64", "--max-position-embeddings", "32",
+        "--position-embedding-type", "rope", "--mock-data", "--vocab-size", "128",
+        "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "6",
+        "--lr", "3e-3", "--attention-dropout", "0", "--hidden-dropout", "0",
+    ]  # fmt: skip
+    losses = run_distributed(_train, 1, argv)[0]
+    assert len(losses) == 6 and all(math.isfinite(x) for x in losses)
+    assert losses[-1] < losses[0]
