@@ -26,10 +26,9 @@ setup(
             "ruff>=0.5",
             "hypothesis>=6",
             "tokenizers>=0.15",
-            "matplotlib>=3.7",  # tools/plot_schedule.py only; megapipe never imports it
+            "matplotlib>=3.7",  # timeline plots only (pipeline/timeline_plot.py, imported lazily)
         ],
         "hf": ["tokenizers>=0.15"],
-        "gpu": ["triton>=2.3"],
     },
     py_modules=["pretrain_gpt"],
 )
