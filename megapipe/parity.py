@@ -2,7 +2,7 @@
 
 Every parallel layout must reproduce the single-rank model to fp32 rounding. These helpers
 measure how far a rank's parameters, gradients or outputs are from the matching slice of the
-reference, so parity tests (TP now; PP and DP later) share one definition of "the same".
+reference, so the TP and PP parity tests share one definition of "the same".
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What Megatron's training_log accumulates between two log lines, and how it averages.
 
 Losses of iterations that were applied are summed and divided by their number; an iteration
-the optimizer skipped (an fp16 overflow, later) adds no loss, counts as skipped, and as a nan
+the optimizer skipped (an fp16 overflow) adds no loss, counts as skipped, and as a nan
 iteration when its loss was not finite. All counters restart after each log line.
 """
 
