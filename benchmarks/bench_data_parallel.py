@@ -109,7 +109,7 @@ class MegapipeRun:
             self.chunks = build_model_chunks_for(configs, state)
             if keep_initial:  # a copy of the initial weights, to compare with DDP's
                 self.initial = {n: p.detach().clone() for n, p in self.chunks[0].named_parameters()}
-            self.executor = build_executor(self.chunks, configs, state, None)
+            self.executor = build_executor(self.chunks, configs, state)
             self.optimizer = build_optimizer(self.chunks, configs, state)
             self.data = build_batch_source(configs)
         self.iteration = 0

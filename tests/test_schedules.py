@@ -10,6 +10,7 @@ from megapipe.pipeline.schedules import (
     build_schedule,
     compute_order,
     format_schedule,
+    validate_schedule,
 )
 from megapipe.pipeline.simulator import ScheduleError, simulate, simulate_kind
 
@@ -139,3 +140,47 @@ def test_interleaving_error_suggests_allowed_micro_batch_counts():
     with pytest.raises(ConfigError) as err:
         build_schedule("interleaved-1f1b", 4, 2, 6, 0)
     assert "Use 4 or 8 micro-batches" in str(err.value)
+
+
+FORWARD_ONLY_GRID = [(p, v, m) for p in (2, 3, 4, 8) for v in (1, 2, 3, 4)
+                     for m in (1, 2, 3, 4, 5, 7, 8, 12, 16)]  # fmt: skip
+
+
+@pytest.mark.parametrize("p,v,m", FORWARD_ONLY_GRID)
+def test_forward_only_is_complete_deadlock_free_and_holds_one_output(p, v, m):
+    # Every forward of every chunk and no backward (the simulator raises otherwise), for any m,
+    # a partial group of p included; each output is let go of once it is sent.
+    sim = simulate_kind("forward-only", p, v, m)
+    assert sim.peak_in_flight == [1] * (p - 1) + [1 if v > 1 else 0]
+    for rank in range(p):
+        assert sim.busy(rank) == pytest.approx(m)  # one forward of 1/v per chunk per micro-batch
+        if v == 1 or m % p == 0:  # one chunk: (p - 1) / m, like GPipe's forward half
+            expected = (p - 1) / (v * m)
+            assert sim.bubble_fraction(rank) == pytest.approx(expected, rel=1e-12)
+        else:  # a partial group: never more idle than without interleaving
+            assert sim.bubble_fraction(rank) <= (p - 1) / m + 1e-12
+
+
+def test_forward_only_runs_forwards_in_the_interleaved_order_with_derived_transfers():
+    forwards = [str(a) for a in compute_order("forward-only", 2, 2, 3, 1)]
+    assert forwards == ["F0", "F1", "F0.1", "F1.1", "F2", "F2.1"]
+    assert format_schedule(build_schedule("forward-only", 2, 1, 3, 0)) == (
+        "F0 [send-F0.0@1] F1 [send-F1.0@1] F2 [send-F2.0@1]"
+    )
+    assert format_schedule(build_schedule("forward-only", 2, 1, 2, 1)) == (
+        "[recv-F0.0@0] F0 [recv-F1.0@0] F1"
+    )
+
+
+def test_a_backward_in_a_forward_only_simulation_is_caught():
+    with pytest.raises(ScheduleError, match="B0 in a forward-only schedule"):
+        simulate([[Compute("F", 0), Compute("B", 0)]], 1, forward_only=True)
+
+
+def test_forward_only_is_not_a_training_schedule_and_checks_its_sizes():
+    with pytest.raises(ConfigError, match="'forward-only' is not one of"):
+        validate_schedule("forward-only", 2, 1, 2)  # what --pipeline-schedule is checked with
+    with pytest.raises(ConfigError, match=r"micro-batches \(0\)"):
+        build_schedule("forward-only", 2, 1, 0, 0)
+    with pytest.raises(ConfigError, match="--pipeline-model-parallel-size > 1"):
+        build_schedule("forward-only", 1, 2, 4, 0)

@@ -1,18 +1,28 @@
-"""Run one rank's schedule for one training step: a small loop that dispatches actions.
+"""Run one rank's schedule for one step: a small loop that dispatches actions through a table.
 
-The executor owns the per-step bookkeeping the schedule implies: activations received from the
-previous stage (inputs), outputs waiting for their gradient, gradients received from the next
-stage. Outputs already sent downstream keep their autograd graph but not their data (Megatron's
+The executor is bound to one action list (a training schedule, or the forward-only one that
+evaluation runs); `run` keeps one step's bookkeeping in a `_Step` record: activations received
+from the previous stage (inputs), outputs waiting to be sent or for their gradient, gradients
+received from the next stage, receives posted but not yet waited for. In training, outputs
+already sent downstream keep their autograd graph but not their data (Megatron's
 deallocate-output trick), so what a stage holds alive is its stashed micro-batches' internal
-activations only. `peak_stashed` (micro-batches forwarded but not yet backwarded, the
-simulator's in-flight count) and `freed_outputs` are exact counts, which is how the
-activation-memory bound is tested rather than with allocator statistics.
+activations only. A forward-only step runs under `torch.no_grad()` and lets go of each output
+as soon as it is sent; it never touches `.grad`. `peak_stashed` (outputs held at once: in
+training the micro-batches forwarded but not yet backwarded, the simulator's in-flight count)
+and `freed_outputs` are exact counts, which is how the activation-memory bound is tested rather
+than with allocator statistics.
+
+Executors are cheap (no tensors are allocated until `run`): `for_schedule(kind, m)` gives a
+sibling on the same chunks and communicator for another schedule or micro-batch count (the
+evaluation step, a batch-size ramp-up).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -23,10 +33,11 @@ from megapipe.layers.cross_entropy import masked_mean
 from megapipe.model.gpt import GPTModel
 from megapipe.parallel.state import ParallelState
 from megapipe.pipeline.p2p import P2PCommunicator
-from megapipe.pipeline.schedules import P2P, Action, Comm, Compute
+from megapipe.pipeline.schedules import P2P, Action, Comm, Compute, build_schedule
 from megapipe.pipeline.trace import TraceRecorder
 
 Key = tuple[int, int]  # (microbatch, local chunk)
+Transfer = tuple[P2P, torch.Tensor, Callable[[], None] | None]
 
 
 def _free_data(tensor: torch.Tensor) -> bool:
@@ -50,8 +61,27 @@ def _backward_through(output: torch.Tensor, grad: torch.Tensor) -> None:
     )
 
 
+@dataclass
+class _Step:
+    """Everything one `run` holds between actions; discarded when it returns."""
+
+    get_batch: Callable[[int], TrainingBatch]
+    sample_ids: Callable[[int], torch.Tensor] | None
+    loss_scale: float
+    trace: TraceRecorder | None
+    inputs: dict[Key, torch.Tensor] = field(default_factory=dict)
+    outputs: dict[Key, torch.Tensor] = field(default_factory=dict)
+    output_grads: dict[Key, torch.Tensor] = field(default_factory=dict)
+    receives: dict[tuple[str, int, int], tuple[P2P, dist.Work]] = field(default_factory=dict)
+    batches: dict[int, list] = field(default_factory=dict)  # micro-batch -> [batch, readers left]
+    losses: list[torch.Tensor] = field(default_factory=list)
+
+
 class PipelineExecutor:
-    """Executes `actions` on this rank's model chunks (chunk c is virtual stage c * p + rank)."""
+    """Executes `actions` on this rank's model chunks (chunk c is virtual stage c * p + rank).
+
+    A list without backward computes (`build_schedule("forward-only", ...)`) runs forward only.
+    """
 
     def __init__(
         self,
@@ -63,7 +93,6 @@ class PipelineExecutor:
         activation_shape: tuple[int, ...],
         dtype: torch.dtype = torch.float32,
         comm: P2PCommunicator | None = None,
-        trace: TraceRecorder | None = None,
         batch_on_every_stage: bool = False,
     ) -> None:
         self.chunks = list(chunks)
@@ -73,11 +102,10 @@ class PipelineExecutor:
         self.activation_shape = activation_shape
         self.dtype = dtype
         self.comm = comm or P2PCommunicator(state.pp)
-        self.trace = trace
+        self.forward_only = not any(isinstance(a, Compute) and a.phase == "B" for a in actions)
         self.num_stages = state.pp.size * len(self.chunks)
         self.peak_stashed = 0
         self.freed_outputs = 0
-        self.loss_scale = 1.0  # fp16: the loss scaler's current scale
         # Per-document attention masks (--reset-attention-mask) are needed by every stage;
         # otherwise only the first stage reads tokens and the last labels and loss mask.
         self.batch_on_every_stage = batch_on_every_stage
@@ -85,9 +113,61 @@ class PipelineExecutor:
         self._batch_readers = sum(
             1 for c in range(len(self.chunks)) if self._reads_batch(self._stage(c))
         )
+        self._compute = {"F": self._forward, "B": self._backward}
 
-    def _free(self, tensor: torch.Tensor) -> None:
-        self.freed_outputs += _free_data(tensor)
+    def for_schedule(self, kind: str, num_microbatches: int) -> PipelineExecutor:
+        """A sibling executor on the same chunks and communicator for schedule `kind` at
+        `num_microbatches` (e.g. "forward-only" for evaluation, or a ramped-up batch)."""
+        p, v, rank = self.state.pp.size, len(self.chunks), self.state.pp.rank
+        return PipelineExecutor(
+            self.chunks,
+            self.state,
+            build_schedule(kind, p, v, num_microbatches, rank),
+            num_microbatches=num_microbatches,
+            activation_shape=self.activation_shape,
+            dtype=self.dtype,
+            comm=self.comm,
+            batch_on_every_stage=self.batch_on_every_stage,
+        )
+
+    def run(
+        self,
+        get_batch: Callable[[int], TrainingBatch],
+        *,
+        loss_scale: float = 1.0,
+        trace: TraceRecorder | None = None,
+        sample_ids: Callable[[int], torch.Tensor] | None = None,
+    ) -> list[torch.Tensor]:
+        """One step of the schedule; returns the last stage's per-micro-batch mean losses.
+
+        Losses are detached and unscaled (not multiplied by `loss_scale` nor divided by the
+        number of micro-batches); other stages return []. In training, each loss times
+        loss_scale / num_microbatches is what backward starts from (fp16: the scaler's scale).
+        trace: records every action's wall-clock start and end. sample_ids: micro-batch ->
+        int64 [micro_batch] global sample indices, passed to every chunk's forward when given.
+        """
+        step = _Step(get_batch, sample_ids, loss_scale, trace)
+        self.peak_stashed = self.freed_outputs = 0
+        with torch.no_grad() if self.forward_only else contextlib.nullcontext():
+            for action in self.actions:
+                if isinstance(action, Compute):
+                    self._await_input(step, action)
+                start = time.perf_counter()
+                if isinstance(action, Comm):
+                    self._post(step, action)
+                else:
+                    self._compute[action.phase](step, action)
+                if trace is not None:
+                    trace.record(action, start, time.perf_counter())
+            for op, work in step.receives.values():  # none in a valid schedule; never leave one
+                self.comm.wait(op, work)
+            self.comm.drain()
+        if step.outputs or step.output_grads:
+            raise RuntimeError(
+                f"schedule left work behind: outputs {sorted(step.outputs)}, "
+                f"gradients {sorted(step.output_grads)}"
+            )
+        return step.losses
 
     def _stage(self, chunk: int) -> int:
         return chunk * self.state.pp.size + self.state.pp.rank
@@ -95,107 +175,82 @@ class PipelineExecutor:
     def _reads_batch(self, stage: int) -> bool:
         return stage in (0, self.num_stages - 1) or self.batch_on_every_stage
 
-    def run(self, get_batch: Callable[[int], TrainingBatch]) -> list[torch.Tensor]:
-        """One step's forwards and backwards; returns the last stage's micro-batch losses."""
-        inputs: dict[Key, torch.Tensor] = {}
-        outputs: dict[Key, torch.Tensor] = {}
-        output_grads: dict[Key, torch.Tensor] = {}
-        losses: list[torch.Tensor] = []
-        self.peak_stashed = self.freed_outputs = 0
-        batches: dict[int, list] = {}  # micro-batch -> [batch, readers still to come]
+    def _read_batch(self, step: _Step, microbatch: int) -> TrainingBatch:
+        """Each micro-batch is read once per step, however many local chunks need it."""
+        entry = step.batches.setdefault(microbatch, [None, self._batch_readers])
+        if entry[0] is None:
+            entry[0] = step.get_batch(microbatch)
+        entry[1] -= 1
+        if entry[1] == 0:
+            del step.batches[microbatch]
+        return entry[0]
 
-        def read_batch(microbatch: int) -> TrainingBatch:
-            """Each micro-batch is read once per step, however many local chunks need it."""
-            entry = batches.setdefault(microbatch, [None, self._batch_readers])
-            if entry[0] is None:
-                entry[0] = get_batch(microbatch)
-            entry[1] -= 1
-            if entry[1] == 0:
-                del batches[microbatch]
-            return entry[0]
+    def _forward(self, step: _Step, compute: Compute) -> None:
+        key = (compute.microbatch, compute.chunk)
+        stage = self._stage(compute.chunk)
+        first, last = stage == 0, stage == self.num_stages - 1
+        batch = self._read_batch(step, compute.microbatch) if self._reads_batch(stage) else None
+        kwargs = {
+            "labels": batch.labels if last else None,
+            "attention_mask": batch.attention_mask if batch is not None else None,
+        }
+        if step.sample_ids is not None:
+            kwargs["sample_ids"] = step.sample_ids(compute.microbatch)
+        if first:
+            kwargs.update(tokens=batch.tokens, position_ids=batch.position_ids)
+        else:  # training keeps the input until its gradient is sent back
+            inputs = step.inputs
+            kwargs["hidden_states"] = inputs.pop(key) if self.forward_only else inputs[key]
+        out = self.chunks[compute.chunk](**kwargs)
+        if last:
+            loss = masked_mean(out, batch.loss_mask)
+            step.losses.append(loss.detach())
+            if self.forward_only:
+                return
+            out = loss * (step.loss_scale / self.num_microbatches)
+        step.outputs[key] = out
+        self.peak_stashed = max(self.peak_stashed, len(step.outputs))
 
-        def forward(step: Compute) -> None:
-            key = (step.microbatch, step.chunk)
-            stage = self._stage(step.chunk)
-            model = self.chunks[step.chunk]
-            first, last = stage == 0, stage == self.num_stages - 1
-            batch = read_batch(step.microbatch) if self._reads_batch(stage) else None
-            mask = batch.attention_mask if batch is not None else None
-            if first:
-                out = model(
-                    tokens=batch.tokens,
-                    position_ids=batch.position_ids,
-                    labels=batch.labels if last else None,
-                    attention_mask=mask,
-                )
+    def _backward(self, step: _Step, compute: Compute) -> None:
+        key = (compute.microbatch, compute.chunk)
+        out = step.outputs.pop(key)
+        if self._stage(compute.chunk) == self.num_stages - 1:
+            out.backward()
+        else:
+            _backward_through(out, step.output_grads.pop(key))
+
+    def _free(self, tensor: torch.Tensor) -> None:
+        self.freed_outputs += _free_data(tensor)
+
+    def _transfer(self, step: _Step, op: P2P) -> Transfer:
+        """The tensor `op` sends or receives into, and what to do once a send has completed."""
+        key = (op.microbatch, op.chunk)
+        if op.op == "recv":
+            buffer = torch.empty(self.activation_shape, dtype=self.dtype, device=self.state.device)
+            if op.phase == "B":
+                step.output_grads[key] = buffer
             else:
-                labels = batch.labels if last else None
-                out = model(hidden_states=inputs[key], labels=labels, attention_mask=mask)
-            if last:
-                loss = masked_mean(out, batch.loss_mask)
-                losses.append(loss.detach())
-                out = loss * (self.loss_scale / self.num_microbatches)
-            outputs[key] = out
-            self.peak_stashed = max(self.peak_stashed, len(outputs))
+                step.inputs[key] = buffer if self.forward_only else buffer.requires_grad_()
+            return op, buffer, None
+        if op.phase == "B":
+            return op, step.inputs.pop(key).grad, None
+        if self.forward_only:  # released now: the communicator holds it until the send is done
+            return op, step.outputs.pop(key), None
+        out = step.outputs[key]
+        return op, out.detach(), lambda: self._free(out)
 
-        def backward(step: Compute) -> None:
-            key = (step.microbatch, step.chunk)
-            out = outputs.pop(key)
-            if self._stage(step.chunk) == self.num_stages - 1:
-                out.backward()
-            else:
-                _backward_through(out, output_grads.pop(key))
+    def _post(self, step: _Step, comm: Comm) -> None:
+        posted = self.comm.post([self._transfer(step, op) for op in comm.ops])
+        step.receives.update(
+            {(op.phase, op.microbatch, op.chunk): (op, w) for op, w in posted.items()}
+        )
 
-        def transfer(op: P2P) -> tuple[P2P, torch.Tensor, Callable[[], None] | None]:
-            key = (op.microbatch, op.chunk)
-            if op.op == "recv":
-                buffer = torch.empty(
-                    self.activation_shape, dtype=self.dtype, device=self.state.device
-                )
-                if op.phase == "F":
-                    inputs[key] = buffer.requires_grad_()
-                else:
-                    output_grads[key] = buffer
-                return op, buffer, None
-            if op.phase == "F":
-                out = outputs[key]
-                return op, out.detach(), lambda: self._free(out)
-            grad = inputs.pop(key).grad
-            return op, grad, None
-
-        # Receives posted but not yet waited for, by the compute that needs them: a unit's
-        # forward runs while the gradient its backward needs is still on the way.
-        receives: dict[tuple[str, int, int], tuple[P2P, dist.Work]] = {}
-
-        def await_input(step: Compute) -> None:
-            posted = receives.pop((step.phase, step.microbatch, step.chunk), None)
-            if posted is not None:
-                start = time.perf_counter()
-                self.comm.wait(*posted)
-                if self.trace is not None:
-                    self.trace.record(Comm((posted[0],)), start, time.perf_counter())
-
-        for action in self.actions:
-            if isinstance(action, Compute):
-                await_input(action)
+    def _await_input(self, step: _Step, compute: Compute) -> None:
+        """Wait for the receive `compute` needs, if any: a unit's forward runs while the
+        gradient its backward needs is still on the way."""
+        posted = step.receives.pop((compute.phase, compute.microbatch, compute.chunk), None)
+        if posted is not None:
             start = time.perf_counter()
-            if isinstance(action, Comm):
-                posted = self.comm.post([transfer(op) for op in action.ops])
-                receives.update(
-                    {(op.phase, op.microbatch, op.chunk): (op, w) for op, w in posted.items()}
-                )
-            elif action.phase == "F":
-                forward(action)
-            else:
-                backward(action)
-            if self.trace is not None:
-                self.trace.record(action, start, time.perf_counter())
-        for op, work in receives.values():  # none in a valid schedule; never leave one posted
-            self.comm.wait(op, work)
-        self.comm.drain()
-        if outputs or output_grads:
-            raise RuntimeError(
-                f"schedule left work behind: outputs {sorted(outputs)}, "
-                f"gradients {sorted(output_grads)}"
-            )
-        return losses
+            self.comm.wait(*posted)
+            if step.trace is not None:
+                step.trace.record(Comm((posted[0],)), start, time.perf_counter())

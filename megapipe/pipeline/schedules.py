@@ -5,6 +5,10 @@ backward of model chunk `c` on micro-batch `i` (`Compute`), and batches of point
 transfers posted together and waited on together (`Comm`). The same lists drive the executor,
 the simulator that proves them deadlock-free, and the timeline plots.
 
+Evaluation runs the `forward-only` schedule: every micro-batch's forward on every chunk, in the
+interleaved order when v > 1, with its transfers derived the same way. It is not a training
+schedule (not a `--pipeline-schedule` value), so it is listed apart from SCHEDULE_KINDS.
+
 Model chunks and stages: with p ranks and v chunks per rank there are p*v virtual stages; rank
 r holds chunks c = 0..v-1, which are virtual stages c*p + r (Megatron's interleaving).
 
@@ -24,6 +28,7 @@ from typing import Literal
 from megapipe.config import ConfigError
 
 SCHEDULE_KINDS = ("no-pipelining", "gpipe", "1f1b", "interleaved-1f1b")
+FORWARD_ONLY = "forward-only"  # evaluation: forwards only, no gradients
 
 Phase = Literal["F", "B"]
 
@@ -67,15 +72,29 @@ class Comm:
 Action = Compute | Comm
 
 
-def validate_schedule(kind: str, p: int, v: int, m: int) -> None:
-    """Raise ConfigError, naming the flags, for a combination the schedule cannot run."""
-    if kind not in SCHEDULE_KINDS:
-        raise ConfigError(f"pipeline schedule {kind!r} is not one of {', '.join(SCHEDULE_KINDS)}")
+def _validate_sizes(p: int, v: int, m: int) -> None:
     if p < 1 or v < 1 or m < 1:
         raise ConfigError(
             f"pipeline size ({p}), virtual stages ({v}) and micro-batches ({m}) "
             "must all be positive"
         )
+
+
+def validate_forward_only(p: int, v: int, m: int) -> None:
+    """Raise ConfigError for sizes the forward-only schedule cannot run (any m >= 1 can)."""
+    _validate_sizes(p, v, m)
+    if v > 1 and p == 1:
+        raise ConfigError(
+            "virtual pipeline stages need --pipeline-model-parallel-size > 1 "
+            "(with one stage there is nothing to interleave)"
+        )
+
+
+def validate_schedule(kind: str, p: int, v: int, m: int) -> None:
+    """Raise ConfigError, naming the flags, for a combination the schedule cannot run."""
+    if kind not in SCHEDULE_KINDS:
+        raise ConfigError(f"pipeline schedule {kind!r} is not one of {', '.join(SCHEDULE_KINDS)}")
+    _validate_sizes(p, v, m)
     if kind == "no-pipelining" and p != 1:
         raise ConfigError(f"schedule no-pipelining needs --pipeline-model-parallel-size 1, got {p}")
     if kind != "interleaved-1f1b" and v != 1:
@@ -104,6 +123,9 @@ Unit = tuple[Compute, ...]
 
 def compute_units(kind: str, p: int, v: int, m: int, rank: int) -> list[Unit]:
     """The order in which `rank` runs its forwards and backwards, grouped into units."""
+    if kind == FORWARD_ONLY:
+        validate_forward_only(p, v, m)
+        return [(f,) for f in _interleaved_forwards(p, v, m)]
     validate_schedule(kind, p, v, m)
     if kind == "gpipe":
         return [(Compute("F", i),) for i in range(m)] + [(Compute("B", i),) for i in range(m)]
@@ -121,12 +143,18 @@ def compute_order(kind: str, p: int, v: int, m: int, rank: int) -> list[Compute]
     return [step for unit in compute_units(kind, p, v, m, rank) for step in unit]
 
 
-def _interleaved_units(p: int, v: int, m: int, rank: int) -> list[Unit]:
-    """Megatron's interleaved 1F1B: micro-batches pass chunk 0 in groups of p, then chunk 1..."""
+def _interleaved_forwards(p: int, v: int, m: int) -> list[Compute]:
+    """Micro-batches pass chunk 0 in groups of p, then chunk 1, ... (F0..F(m-1) when v = 1)."""
     forwards: list[Compute] = []
     for group_start in range(0, m, p):
         group = range(group_start, min(group_start + p, m))
         forwards += [Compute("F", i, c) for c in range(v) for i in group]
+    return forwards
+
+
+def _interleaved_units(p: int, v: int, m: int, rank: int) -> list[Unit]:
+    """Megatron's interleaved 1F1B: forwards in groups of p per chunk, backwards mirrored."""
+    forwards = _interleaved_forwards(p, v, m)
     backwards = [Compute("B", f.microbatch, v - 1 - f.chunk) for f in forwards]
     total = m * v
     warmup = min((p - rank - 1) * 2 + (v - 1) * p, total)
@@ -164,7 +192,10 @@ def _neighbours(step: Compute, rank: int, p: int, v: int) -> tuple[P2P | None, P
 
 
 def build_schedule(kind: str, p: int, v: int, m: int, rank: int) -> list[Action]:
-    """Every action `rank` performs in one step, communication included."""
+    """Every action `rank` performs in one step, communication included.
+
+    kind: one of SCHEDULE_KINDS (training), or FORWARD_ONLY (evaluation).
+    """
     if not 0 <= rank < p:
         raise ConfigError(f"rank {rank} is outside a pipeline of {p} ranks")
     actions: list[Action] = []

@@ -6,6 +6,9 @@ once its input has been received, and between two ranks sends and receives must 
 the same order (NCCL and gloo match point-to-point messages first-in first-out). A schedule
 that passes here cannot deadlock on real p2p, and its timeline under a cost model (forward 1,
 backward 2, transfers free) gives the bubble.
+
+A forward-only (evaluation) schedule is checked the same way, expecting every forward and no
+backward; its in-flight count is then the outputs computed but not yet sent downstream.
 """
 
 from __future__ import annotations
@@ -13,7 +16,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from megapipe.pipeline.schedules import Action, Comm, Compute, build_schedule, transfer_key
+from megapipe.pipeline.schedules import (
+    FORWARD_ONLY,
+    Action,
+    Comm,
+    Compute,
+    build_schedule,
+    transfer_key,
+)
 
 
 class ScheduleError(RuntimeError):
@@ -61,8 +71,14 @@ def simulate(
     forward_cost: float = 1.0,
     backward_cost: float = 2.0,
     comm_cost: float = 0.0,
+    forward_only: bool = False,
 ) -> Simulation:
-    """Execute all ranks' lists; raise ScheduleError on deadlock or incomplete work."""
+    """Execute all ranks' lists; raise ScheduleError on deadlock or incomplete work.
+
+    forward_only: the lists must run every forward and no backward; `peak_in_flight` then
+    counts outputs not yet sent (what an evaluation step holds), not micro-batches awaiting
+    their backward.
+    """
     p = len(schedules)
     pc = [0] * p
     clock = [0.0] * p
@@ -79,6 +95,8 @@ def simulate(
     def run_compute(rank: int, step: Compute) -> None:
         stage = step.chunk * p + rank
         unit = (step.phase, step.microbatch, step.chunk)
+        if forward_only and step.phase == "B":
+            raise ScheduleError(f"rank {rank} runs {step} in a forward-only schedule")
         if unit in done[rank]:
             raise ScheduleError(f"rank {rank} runs {step} twice")
         if step.phase == "F":
@@ -95,8 +113,9 @@ def simulate(
         done[rank].add(unit)
         if step.phase == "F":
             forwarded[rank].add((step.microbatch, step.chunk))
-            in_flight[rank] += 1
-            sim.peak_in_flight[rank] = max(sim.peak_in_flight[rank], in_flight[rank])
+            if not (forward_only and stage == last_stage):  # the last stage keeps only a loss
+                in_flight[rank] += 1
+                sim.peak_in_flight[rank] = max(sim.peak_in_flight[rank], in_flight[rank])
         else:
             in_flight[rank] -= 1
 
@@ -118,6 +137,8 @@ def simulate(
         for side, key in keys:
             if side == "recv":
                 received[rank].add(key)
+            elif forward_only:  # the output is released once it is sent
+                in_flight[rank] -= 1
         return True
 
     progress = True
@@ -143,8 +164,9 @@ def simulate(
                 f"ranks {pair[0]} -> {pair[1]} post sends and receives in different orders; "
                 "FIFO matching would swap tensors"
             )
+    phases = "F" if forward_only else "FB"
     expected = {
-        (ph, i, c) for ph in "FB" for i in range(num_microbatches) for c in range(num_chunks)
+        (ph, i, c) for ph in phases for i in range(num_microbatches) for c in range(num_chunks)
     }
     for rank in range(p):
         if done[rank] != expected:
@@ -162,4 +184,4 @@ def simulate_kind(kind: str, p: int, v: int, m: int, **costs: float) -> Simulati
     costs.setdefault("forward_cost", 1.0 / v)
     costs.setdefault("backward_cost", 2.0 / v)
     schedules = [build_schedule(kind, p, v, m, r) for r in range(p)]
-    return simulate(schedules, m, v, **costs)
+    return simulate(schedules, m, v, forward_only=kind == FORWARD_ONLY, **costs)

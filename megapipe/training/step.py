@@ -25,6 +25,7 @@ from megapipe.distributed import finalize_model_grads
 from megapipe.distributed.optimizer import ShardedOptimizer
 from megapipe.parallel.state import ParallelState
 from megapipe.pipeline.executor import PipelineExecutor
+from megapipe.pipeline.trace import TraceRecorder
 
 
 class BatchSource(Protocol):
@@ -55,6 +56,7 @@ def train_step(
     state: ParallelState,
     iteration: int,
     lr: float,
+    trace: TraceRecorder | None = None,
 ) -> StepResult:
     """Run iteration `iteration` (0-based) on this rank's slice of its global batch."""
     training = configs.training
@@ -71,8 +73,9 @@ def train_step(
         return data.batch(indices).to(state.device)
 
     scaler = optimizer.scaler
-    executor.loss_scale = scaler.scale if scaler is not None else 1.0
-    losses = executor.run(get_batch)
+    losses = executor.run(
+        get_batch, loss_scale=scaler.scale if scaler is not None else 1.0, trace=trace
+    )
     for buffer in optimizer.buffers:
         buffer.finish_grad_sync()
     finalize_model_grads(chunks, state)

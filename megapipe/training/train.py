@@ -92,7 +92,7 @@ def build_optimizer(
 
 
 def build_executor(
-    chunks: list[GPTModel], configs: Configs, state: ParallelState, trace: TraceRecorder | None
+    chunks: list[GPTModel], configs: Configs, state: ParallelState
 ) -> PipelineExecutor:
     """The pipeline executor running this rank's schedule (plain accumulation when PP=1)."""
     parallel, training = configs.parallel, configs.training
@@ -115,7 +115,6 @@ def build_executor(
         activation_shape=shape,
         dtype=configs.optimizer.params_dtype,
         comm=P2PCommunicator(state.pp, parallel.pipeline_p2p_timeout),
-        trace=trace,
         batch_on_every_stage=configs.data.reset_attention_mask,
     )
 
@@ -159,7 +158,7 @@ def train(configs: Configs, state: ParallelState) -> list[StepResult]:
 
     trace_path = configs.parallel.pipeline_trace
     trace = TraceRecorder(state.pp_rank) if trace_path else None
-    executor = build_executor(chunks, configs, state, trace)
+    executor = build_executor(chunks, configs, state)
     optimizer = build_optimizer(chunks, configs, state)
     data = build_batch_source(configs)  # mock samples, or --data-path's (rank 0 builds indices)
     stats = IntervalStats()
@@ -168,9 +167,9 @@ def train(configs: Configs, state: ParallelState) -> list[StepResult]:
     updates = 0  # successful optimizer steps: what the learning-rate schedule counts
     interval_start = _now(state.device)
     for iteration in range(1, training.train_iters + 1):
-        if trace is not None:
-            trace.step = iteration
-            executor.trace = trace if iteration <= TRACE_ITERATIONS else None
+        step_trace = trace if iteration <= TRACE_ITERATIONS else None  # None without the flag
+        if step_trace is not None:
+            step_trace.step = iteration
         result = train_step(
             chunks,
             optimizer,
@@ -180,6 +179,7 @@ def train(configs: Configs, state: ParallelState) -> list[StepResult]:
             state,
             iteration - 1,
             schedule.lr_at(updates),
+            trace=step_trace,
         )
         results.append(result)
         updates += not result.skipped  # Megatron's scheduler does not advance on skipped steps
