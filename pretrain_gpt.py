@@ -46,7 +46,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{PROG}: warning: {note}", file=sys.stderr, flush=True)
 
     parallel = configs.parallel
-    device = initialize_distributed(parallel.distributed_backend)
+    device = initialize_distributed(
+        parallel.distributed_backend, timeout_minutes=parallel.distributed_timeout_minutes
+    )
     try:
         state = ParallelState.build(
             parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size, device

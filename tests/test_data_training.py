@@ -21,7 +21,7 @@ MODEL = [
     "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
     "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
     "--lr", "3e-3", "--lr-decay-style", "constant", "--attention-dropout", "0",
-    "--hidden-dropout", "0", "--log-interval", "1",
+    "--hidden-dropout", "0", "--log-interval", "1", "--eval-iters", "0",
 ]  # fmt: skip
 
 

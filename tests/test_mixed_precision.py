@@ -25,7 +25,8 @@ from megapipe.training.step import NonFiniteLossError
 
 TINY = [
     "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-    "--seq-length", "16", "--mock-data", "--vocab-size", "128", "--micro-batch-size", "2",
+    "--seq-length", "16", "--mock-data", "--eval-iters", "0", "--vocab-size", "128",
+    "--micro-batch-size", "2",
     "--global-batch-size", "4", "--train-iters", "8", "--lr", "3e-3",
     "--attention-dropout", "0", "--hidden-dropout", "0", "--log-interval", "1",
 ]  # fmt: skip

@@ -14,7 +14,7 @@ from megapipe.testing import run_distributed, train_with_flags
 
 BASE = [
     "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
-    "--seq-length", "16", "--mock-data", "--vocab-size", "200",
+    "--seq-length", "16", "--mock-data", "--eval-iters", "0", "--vocab-size", "200",
     "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "4", "--lr", "3e-3",
     "--attention-dropout", "0", "--hidden-dropout", "0", "--log-interval", "100",
     "--clip-grad", "0.5", "--weight-decay", "0.1", "--ddp-bucket-size", "3000",

@@ -29,7 +29,7 @@ LAYERS, HIDDEN, HEADS, SEQ, VOCAB = 2, 64, 4, 32, 256
 TINY_GPT = [
     "--num-layers", str(LAYERS), "--hidden-size", str(HIDDEN),
     "--num-attention-heads", str(HEADS), "--seq-length", str(SEQ),
-    "--mock-data", "--vocab-size", str(VOCAB),
+    "--mock-data", "--eval-iters", "0", "--vocab-size", str(VOCAB),
     "--micro-batch-size", "2", "--global-batch-size", str(GLOBAL_BATCH),
     "--train-iters", str(TRAIN_ITERS), "--lr", "3e-3", "--log-interval", "1",
     "--attention-dropout", "0", "--hidden-dropout", "0", "--seed", "1234",

@@ -113,7 +113,7 @@ def data_config(args: argparse.Namespace) -> tuple[DataConfig, int, list[str]]:
         raise ConfigError(NO_DATASET)
     validate_data(data)
     try:
-        check = check_data_config(data)
+        check = check_data_config(data, needs_eval=args.eval_iters > 0)
     except DataError as error:
         raise ConfigError(str(error)) from None
     if check.vocab_size is None:

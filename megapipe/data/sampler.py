@@ -17,8 +17,14 @@ def micro_batch_range(
     micro_batch_size: int,
     data_parallel_rank: int,
     data_parallel_size: int,
+    first_sample: int | None = None,
 ) -> range:
-    """Global sample indices of micro-batch `micro_batch` (0-based) of `iteration` (0-based)."""
+    """Global sample indices of micro-batch `micro_batch` (0-based) of `iteration` (0-based).
+
+    `first_sample` overrides where the iteration's global batch starts (`iteration x
+    global_batch_size` when every batch has the same size; the consumed samples under a
+    batch-size ramp-up, or an evaluation's offset into its split).
+    """
     per_rank = global_batch_size // data_parallel_size
     if per_rank * data_parallel_size != global_batch_size or per_rank % micro_batch_size:
         raise ValueError(
@@ -29,6 +35,8 @@ def micro_batch_range(
         raise IndexError(
             f"micro-batch {micro_batch} out of range 0..{per_rank // micro_batch_size - 1}"
         )
-    start = iteration * global_batch_size + data_parallel_rank * per_rank
+    if first_sample is None:
+        first_sample = iteration * global_batch_size
+    start = first_sample + data_parallel_rank * per_rank
     start += micro_batch * micro_batch_size
     return range(start, start + micro_batch_size)

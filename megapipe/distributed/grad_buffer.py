@@ -112,6 +112,11 @@ class GradBuffer:
                 param.register_post_accumulate_grad_hook(self._on_grad)
         self.reset()
 
+    def expect_microbatches(self, num_microbatches: int) -> None:
+        """The next step accumulates this many micro-batches (a batch-size ramp-up changes it):
+        with overlap, a bucket's reduction starts once each of its gradients arrived that often."""
+        self.num_microbatches = num_microbatches
+
     def reset(self) -> None:
         """Zero the gradients and rearm every bucket for the next step."""
         self.grad_data.zero_()

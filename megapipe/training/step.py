@@ -11,14 +11,14 @@ give the gradient of the global batch's mean loss whatever the layout.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-from megapipe.config import Configs
 from megapipe.data.batch import TrainingBatch
 from megapipe.data.sampler import micro_batch_range
 from megapipe.distributed import finalize_model_grads
@@ -29,22 +29,61 @@ from megapipe.pipeline.trace import TraceRecorder
 
 
 class BatchSource(Protocol):
-    """Anything that turns global sample indices into a batch (the mock dataset, for now)."""
+    """Anything that turns global sample indices into a batch (mock or indexed datasets)."""
 
     def batch(self, indices: range) -> TrainingBatch: ...
 
 
 @dataclass(frozen=True)
 class StepResult:
-    """What one iteration reports: the global batch's mean loss and the gradient norm."""
+    """What one iteration reports: the global batch's mean loss and the gradient norm.
+
+    `timers` (seconds of this rank's forward-backward, gradient reduction and optimizer step)
+    is left out of comparisons: two runs of the same numbers never take the same time.
+    """
 
     lm_loss: float
     grad_norm: float
     skipped: bool = False
+    timers: dict[str, float] = field(default_factory=dict, compare=False)
 
 
 class NonFiniteLossError(RuntimeError):
     """The loss became NaN or Inf (fp32/bf16): training stops before the weights are touched."""
+
+
+@dataclass(frozen=True)
+class GlobalBatch:
+    """Which samples one step reads: [first_sample, first_sample + size) of the split, of
+    which this data-parallel rank takes its contiguous share, one micro-batch at a time."""
+
+    first_sample: int
+    size: int
+    micro_batch_size: int
+    state: ParallelState
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.size // (self.micro_batch_size * self.state.dp.size)
+
+    def indices(self, micro_batch: int) -> range:
+        return micro_batch_range(
+            0,
+            micro_batch,
+            first_sample=self.first_sample,
+            global_batch_size=self.size,
+            micro_batch_size=self.micro_batch_size,
+            data_parallel_rank=self.state.dp.rank,
+            data_parallel_size=self.state.dp.size,
+        )
+
+    def reader(self, data: BatchSource) -> Callable[[int], TrainingBatch]:
+        """micro-batch index -> that micro-batch's batch, on this rank's device."""
+        return lambda micro_batch: data.batch(self.indices(micro_batch)).to(self.state.device)
+
+    def sample_ids(self, micro_batch: int) -> torch.Tensor:
+        """Global sample indices of a micro-batch: what keys the layout-invariant dropout."""
+        return torch.tensor(list(self.indices(micro_batch)), dtype=torch.int64)
 
 
 def train_step(
@@ -52,45 +91,49 @@ def train_step(
     optimizer: ShardedOptimizer,
     executor: PipelineExecutor,
     data: BatchSource,
-    configs: Configs,
+    batch: GlobalBatch,
     state: ParallelState,
-    iteration: int,
+    *,
     lr: float,
+    iteration: int,
     trace: TraceRecorder | None = None,
 ) -> StepResult:
-    """Run iteration `iteration` (0-based) on this rank's slice of its global batch."""
-    training = configs.training
+    """Run one iteration (1-based `iteration`, for messages) on this rank's share of `batch`.
 
-    def get_batch(micro_batch: int) -> TrainingBatch:
-        indices = micro_batch_range(
-            iteration,
-            micro_batch,
-            global_batch_size=training.global_batch_size,
-            micro_batch_size=training.micro_batch_size,
-            data_parallel_rank=state.dp.rank,
-            data_parallel_size=state.dp.size,
-        )
-        return data.batch(indices).to(state.device)
-
+    `executor` must run `batch.num_microbatches` micro-batches.
+    """
     scaler = optimizer.scaler
+    for buffer in optimizer.buffers:
+        buffer.expect_microbatches(batch.num_microbatches)
+    start = time.perf_counter()
     losses = executor.run(
-        get_batch, loss_scale=scaler.scale if scaler is not None else 1.0, trace=trace
+        batch.reader(data),
+        sample_ids=batch.sample_ids,
+        loss_scale=scaler.scale if scaler is not None else 1.0,
+        trace=trace,
     )
+    computed = time.perf_counter()
     for buffer in optimizer.buffers:
         buffer.finish_grad_sync()
     finalize_model_grads(chunks, state)
-    lm_loss = _global_mean_loss(losses, state)
+    lm_loss = global_mean_loss(losses, state)
+    reduced = time.perf_counter()
     if scaler is None and not math.isfinite(lm_loss):
         raise NonFiniteLossError(
-            f"iteration {iteration + 1}: lm loss is {lm_loss}; stopping before the optimizer "
+            f"iteration {iteration}: lm loss is {lm_loss}; stopping before the optimizer "
             "step, so the weights are those of the previous iteration"
         )
     outcome = optimizer.step(lr)
     optimizer.zero_grad()
-    return StepResult(lm_loss=lm_loss, grad_norm=outcome.grad_norm, skipped=outcome.skipped)
+    timers = {
+        "forward-backward": computed - start,
+        "grads-reduce": reduced - computed,
+        "optimizer": time.perf_counter() - reduced,
+    }
+    return StepResult(lm_loss, outcome.grad_norm, outcome.skipped, timers)
 
 
-def _global_mean_loss(losses: list[torch.Tensor], state: ParallelState) -> float:
+def global_mean_loss(losses: list[torch.Tensor], state: ParallelState) -> float:
     """Mean over micro-batches and DP ranks, computed on the last stage, known on every rank."""
     mean = torch.zeros((), dtype=torch.float32, device=state.device)
     if state.is_last_stage:

@@ -1,13 +1,11 @@
-"""The pre-training loop: build the model and optimizer, step, and log as Megatron-LM does."""
+"""The pre-training loop: build the model and optimizer, step, evaluate, log as Megatron-LM does."""
 
 from __future__ import annotations
 
-import time
-
-import torch
+from dataclasses import dataclass
 
 from megapipe.config import Configs
-from megapipe.data.sources import build_batch_source
+from megapipe.data.sources import build_batch_sources
 from megapipe.distributed.grad_buffer import GradBuffer
 from megapipe.distributed.loss_scaler import make_loss_scaler
 from megapipe.distributed.optimizer import ShardedOptimizer
@@ -20,12 +18,15 @@ from megapipe.pipeline.p2p import P2PCommunicator
 from megapipe.pipeline.partition import StageMap, partition_layers
 from megapipe.pipeline.schedules import build_schedule
 from megapipe.pipeline.trace import TraceRecorder, gather_and_write
-from megapipe.training.interval_stats import IntervalStats
-from megapipe.training.log_format import iteration_line, parameter_count_line, world_size_line
-from megapipe.training.printing import print_rank_0, print_rank_last
-from megapipe.training.step import StepResult, train_step
+from megapipe.training.batch_size import BatchSizeSchedule, batch_size_schedule_of
+from megapipe.training.evaluation import Evaluator
+from megapipe.training.exit_conditions import ExitCheck
+from megapipe.training.log_format import parameter_count_line, world_size_line
+from megapipe.training.lr_schedule import lr_schedule_of
+from megapipe.training.printing import print_rank_0
+from megapipe.training.reporting import TrainingReporter
+from megapipe.training.step import GlobalBatch, StepResult, train_step
 
-LOSS_NAME = "lm loss"
 TRACE_ITERATIONS = 10  # --pipeline-trace records the first iterations only
 
 
@@ -130,17 +131,33 @@ def _trace_metadata(configs: Configs, state: ParallelState) -> dict:
     }
 
 
-def _now(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
+@dataclass(frozen=True)
+class SampleCounts:
+    """Samples each split is built for, as Megatron sizes them."""
+
+    train: int
+    valid: int
+    test: int
+
+    @classmethod
+    def of(cls, configs: Configs, schedule: BatchSizeSchedule) -> SampleCounts:
+        training = configs.training
+        train = schedule.samples_for_iterations(training.train_iters)
+        if training.eval_iters == 0:
+            return cls(train, 0, 0)
+        evaluations = training.train_iters // (training.eval_interval or training.train_iters or 1)
+        per_evaluation = training.eval_iters * training.global_batch_size
+        return cls(train, (evaluations + 1) * per_evaluation, per_evaluation)
 
 
 def train(configs: Configs, state: ParallelState) -> list[StepResult]:
-    """Train for --train-iters iterations; returns every iteration's result (same on all ranks).
+    """Train for --train-iters iterations (evaluating every --eval-interval), then evaluate on
+    the validation and test splits; returns every iteration's result (same on all ranks).
 
-    Prints Megatron's start-up lines, then one log line per --log-interval iterations from the
-    last rank, with losses averaged over the interval.
+    Prints Megatron's start-up lines, one log line per --log-interval iterations from the last
+    rank (losses averaged over the interval), and a validation block per evaluation. Stops
+    early, on every rank after the same iteration, for --exit-interval,
+    --exit-duration-in-mins or SIGTERM with --exit-signal-handler (no final evaluation then).
     """
     training = configs.training
     print_rank_0(
@@ -151,58 +168,87 @@ def train(configs: Configs, state: ParallelState) -> list[StepResult]:
     if state.pp.size > 1:
         print_rank_0(state, stage_map.describe())
     chunks = build_model_chunks_for(configs, state, stage_map)
-    params = [p for chunk in chunks for p in chunk.parameters()]
     if state.dp.rank == 0:
-        count = sum(p.numel() for p in params)
+        count = sum(p.numel() for chunk in chunks for p in chunk.parameters())
         print(parameter_count_line(state.tp_rank, state.pp_rank, count), flush=True)
 
     trace_path = configs.parallel.pipeline_trace
     trace = TraceRecorder(state.pp_rank) if trace_path else None
     executor = build_executor(chunks, configs, state)
     optimizer = build_optimizer(chunks, configs, state)
-    data = build_batch_source(configs)  # mock samples, or --data-path's (rank 0 builds indices)
-    stats = IntervalStats()
-    results: list[StepResult] = []
-    schedule = training.lr_schedule()
-    updates = 0  # successful optimizer steps: what the learning-rate schedule counts
-    interval_start = _now(state.device)
-    for iteration in range(1, training.train_iters + 1):
-        step_trace = trace if iteration <= TRACE_ITERATIONS else None  # None without the flag
-        if step_trace is not None:
-            step_trace.step = iteration
-        result = train_step(
+    batch_sizes = batch_size_schedule_of(training, state.dp.size)
+    counts = SampleCounts.of(configs, batch_sizes)
+    data = build_batch_sources(  # mock samples, or the splits of --data-path (rank 0 indexes)
+        configs, train_samples=counts.train, valid_samples=counts.valid, test_samples=counts.test
+    )
+    evaluators = {
+        name: Evaluator(
             chunks,
-            optimizer,
-            executor,
-            data,
-            configs,
+            executor.for_schedule("forward-only", training.num_microbatches(state.dp.size)),
+            source,
             state,
-            iteration - 1,
-            schedule.lr_at(updates),
-            trace=step_trace,
+            global_batch_size=training.global_batch_size,
+            micro_batch_size=training.micro_batch_size,
+            eval_iters=training.eval_iters,
         )
-        results.append(result)
-        updates += not result.skipped  # Megatron's scheduler does not advance on skipped steps
-        stats.add({LOSS_NAME: result.lm_loss}, skipped=result.skipped)
-        if iteration % training.log_interval == 0:
-            now = _now(state.device)
-            line = iteration_line(
+        for name, source in (("valid", data.valid), ("test", data.test))
+        if source is not None and training.eval_iters > 0
+    }
+    executors = {executor.num_microbatches: executor}
+    lr_schedule = lr_schedule_of(training) if training.train_iters > 0 else None
+    reporter = TrainingReporter(configs, state)
+    exit_check = ExitCheck.start(training, state)
+    results: list[StepResult] = []
+    consumed = scheduled = 0  # samples read; samples of successful updates (the LR's clock)
+    iteration = 0
+    try:
+        while not training.skip_train and iteration < training.train_iters:
+            iteration += 1
+            batch_size = batch_sizes.global_batch_size_at(consumed)
+            batch = GlobalBatch(consumed, batch_size, training.micro_batch_size, state)
+            m = batch.num_microbatches
+            if m not in executors:
+                executors[m] = executor.for_schedule(configs.parallel.schedule, m)
+            step_trace = trace if iteration <= TRACE_ITERATIONS else None
+            if step_trace is not None:
+                step_trace.step = iteration
+            reporter.start_iteration()
+            result = train_step(
+                chunks,
+                optimizer,
+                executors[m],
+                data.train,
+                batch,
+                state,
+                lr=lr_schedule.lr_at(scheduled / training.global_batch_size),
                 iteration=iteration,
-                train_iters=training.train_iters,
-                consumed_samples=iteration * training.global_batch_size,
-                elapsed_ms_per_iteration=(now - interval_start) * 1000.0 / stats.iterations,
-                learning_rate=schedule.lr_at(updates),
-                global_batch_size=training.global_batch_size,
-                losses=stats.averages(),
-                loss_scale=optimizer.scaler.scale if optimizer.scaler is not None else 1.0,
-                grad_norm=result.grad_norm,
-                skipped_iterations=stats.skipped_iterations,
-                nan_iterations=stats.nan_iterations,
+                trace=step_trace,
             )
-            print_rank_last(state, line)
-            stats.reset()
-            interval_start = now
-    if trace is not None:
-        gather_and_write(trace, trace_path, state.pp.ranks, _trace_metadata(configs, state))
-        print_rank_0(state, f"pipeline trace written to {trace_path}")
+            results.append(result)
+            consumed += batch_size
+            scheduled += 0 if result.skipped else batch_size  # Megatron skips skipped steps
+            scale = optimizer.scaler.scale if optimizer.scaler is not None else 1.0
+            lr = lr_schedule.lr_at(scheduled / training.global_batch_size)
+            reporter.end_iteration(iteration, consumed, batch_size, result, lr, scale)
+            valid = evaluators.get("valid")
+            if valid and training.eval_interval and iteration % training.eval_interval == 0:
+                losses = valid.evaluate()
+                reporter.validation(f"iteration {iteration}", losses, iteration, consumed)
+            reason = exit_check.reason(iteration)
+            if reason is not None:
+                print_rank_0(state, reason)
+                return results
+        for name, label in (("valid", "validation"), ("test", "test")):
+            if name in evaluators:
+                losses = evaluators[name].evaluate()
+                prefix = f"iteration {iteration} on {label} set"
+                reporter.validation(prefix, losses, iteration, consumed)
+    finally:
+        exit_check.close()
+        reporter.close()
+        if trace is not None and results:
+            gather_and_write(trace, trace_path, state.pp.ranks, _trace_metadata(configs, state))
+            print_rank_0(state, f"pipeline trace written to {trace_path}")
+    if configs.logging.tensorboard_dir is not None:
+        print_rank_0(state, f"TensorBoard logs in {configs.logging.tensorboard_dir}")
     return results
