@@ -73,7 +73,8 @@ def test_rope_trains_with_seq_length_above_max_position_embeddings() -> None:
     argv = [
         "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "64", "--max-position-embeddings", "32",
-        "--position-embedding-type", "rope", "--mock-data", "--vocab-size", "128",
+        "--position-embedding-type", "rope", "--mock-data", "--eval-iters", "0",
+        "--vocab-size", "128",
         "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "6",
         "--lr", "3e-3", "--attention-dropout", "0", "--hidden-dropout", "0",
     ]  # fmt: skip
