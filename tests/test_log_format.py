@@ -115,12 +115,13 @@ def test_throughput_fields_follow_the_elapsed_time_in_megatrons_words() -> None:
         )
         in line
     )
-    # without a peak (CPU) MFU is left out and nothing else moves
-    line = _line_with(throughput_tflops_per_gpu=0.06, tokens_per_second_per_gpu=99.0)
+    # without a peak (CPU) MFU is left out and nothing else moves; below 1 TFLOP/s three
+    # significant digits, where Megatron's one decimal would print 0.0
+    line = _line_with(throughput_tflops_per_gpu=0.0123456, tokens_per_second_per_gpu=99.0)
     assert (
         head
         + (
-            " throughput per GPU (TFLOP/s/GPU): 0.1 | tokens per second per GPU: 99.0 |"
+            " throughput per GPU (TFLOP/s/GPU): 0.0123 | tokens per second per GPU: 99.0 |"
             " learning rate:"
         )
         in line

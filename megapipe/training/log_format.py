@@ -56,7 +56,7 @@ def iteration_line(
     line += f" consumed samples: {consumed_samples:12d} |"
     line += f" elapsed time per iteration (ms): {elapsed_ms_per_iteration:.1f} |"
     if throughput_tflops_per_gpu is not None:
-        line += f" throughput per GPU (TFLOP/s/GPU): {throughput_tflops_per_gpu:.1f} |"
+        line += f" throughput per GPU (TFLOP/s/GPU): {_tflops(throughput_tflops_per_gpu)} |"
     if tokens_per_second_per_gpu is not None:
         line += f" tokens per second per GPU: {tokens_per_second_per_gpu:.1f} |"
     if mfu is not None:
@@ -91,3 +91,9 @@ def validation_block(prefix: str, losses: Mapping[str, float]) -> str:
     line = validation_line(prefix, losses)
     rule = "-" * (len(line) + 1)
     return f"{rule}\n{line}\n{rule}"
+
+
+def _tflops(value: float) -> str:
+    """Megatron's one decimal, but three significant digits below 1 TFLOP/s (CPU runs), where
+    one decimal would print 0.0."""
+    return f"{value:.1f}" if value >= 1.0 else f"{value:.3g}"

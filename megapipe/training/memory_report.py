@@ -43,7 +43,9 @@ def memory_report_line(rank: int, iterations: int, device: torch.device) -> str:
         line += f" | max reserved: {torch.cuda.max_memory_reserved(device) / _MB}"
         return line
     rss = resident_set_bytes()
+    peak = peak_resident_set_bytes()
     if rss is not None:
         line += f" | RSS: {rss / _MB}"
-    line += f" | max RSS: {peak_resident_set_bytes() / _MB}"
+        peak = max(peak, rss)  # statm and getrusage count pages differently; keep peak >= now
+    line += f" | max RSS: {peak / _MB}"
     return line

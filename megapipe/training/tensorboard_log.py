@@ -81,7 +81,7 @@ class TrainingTensorBoard:
         learning_rate: float | None,
         grad_norm: float | None,
         loss_scale: float | None,
-        batch_size: int,
+        batch_size: int | None,
         iteration_time_s: float | None = None,
         throughput_tflops: float | None = None,
         timers: Mapping[str, float] | None = None,
@@ -94,7 +94,8 @@ class TrainingTensorBoard:
         if iteration % self.log_interval == 0:
             if learning_rate is not None:
                 self._pair("learning-rate", learning_rate, iteration, consumed_samples)
-            self._pair("batch-size", batch_size, iteration, consumed_samples)
+            if batch_size is not None:
+                self._pair("batch-size", batch_size, iteration, consumed_samples)
             for name, value in losses.items():
                 self._pair(name, value, iteration, consumed_samples)
             if loss_scale is not None:
