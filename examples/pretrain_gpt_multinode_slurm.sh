@@ -70,7 +70,13 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
 # export NCCL_DEBUG=INFO             # uncomment to see NCCL's topology and any hang's cause
 # export NCCL_SOCKET_IFNAME=...      # the interface the nodes reach each other on, if not found
 
-HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+# Read the whole list (no `| head -n 1`: under pipefail, scontrol's SIGPIPE would end the job).
+mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+if ((${#nodes[@]} == 0)); then
+    echo "$(basename "$0"): scontrol lists no hosts for SLURM_JOB_NODELIST=$SLURM_JOB_NODELIST" >&2
+    exit 1
+fi
+HEAD=${nodes[0]}
 echo "rendezvous: $HEAD:$RDZV_PORT, $SLURM_NNODES nodes x $GPUS_PER_NODE GPUs, job $SLURM_JOB_ID"
 mkdir -p "$RUN_DIR"
 cd "$MEGAPIPE_DIR"

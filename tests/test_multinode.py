@@ -30,7 +30,7 @@ FLAGS = [
     "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "4",
     "--train-iters", str(TRAIN_ITERS), "--lr", "3e-3", "--log-interval", "1",
     "--attention-dropout", "0", "--hidden-dropout", "0", "--seed", "1234",
-    "--mock-data", "--vocab-size", "256",
+    "--mock-data", "--eval-iters", "0", "--vocab-size", "256",
 ]  # fmt: skip
 LOSS = re.compile(r"^ iteration +(\d+)/ +\d+ \|.* lm loss: (\d\.\d{6}E[+-]\d\d) \|")
 
@@ -86,14 +86,15 @@ def test_two_agents_with_c10d_rendezvous_match_one_standalone_agent() -> None:
         "--nnodes", "2", "--nproc_per_node", "2", "--rdzv-backend", "c10d",
         "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id,
     ]  # fmt: skip
-    two_nodes = _run_all([_torchrun(*node), _torchrun(*node)])
+    # All three agents at once: the reference run computes while the two agents rendezvous.
+    *two_nodes, single = _run_all(
+        [_torchrun(*node), _torchrun(*node), _torchrun("--standalone", "--nproc_per_node", "4")]
+    )
     for i, result in enumerate(two_nodes):
         assert result.returncode == 0, f"agent {i} failed:\n{result.stderr[-3000:]}"
     multi = _losses("".join(r.stdout for r in two_nodes))
     # One agent's stdout has the log lines, the other's none: only the last rank prints them.
     assert sorted(bool(_losses(r.stdout)) for r in two_nodes) == [False, True]
-
-    (single,) = _run_all([_torchrun("--standalone", "--nproc_per_node", "4")])
     assert single.returncode == 0, single.stderr[-3000:]
     reference = _losses(single.stdout)
 
