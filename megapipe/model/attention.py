@@ -1,15 +1,23 @@
-"""Causal self-attention with heads (and GQA query groups) split across TP ranks."""
+"""Causal self-attention with heads (and GQA query groups) split across TP ranks.
+
+Attention runs through torch's fused scaled_dot_product_attention, except for training with
+attention dropout and layout-invariant masks (`model/dropout.py`): SDPA draws its own dropout
+mask and cannot take ours, so that case computes softmax -> dropout(our mask) -> matmul
+explicitly (the [b, heads, s, s] probabilities are materialised, as in any unfused attention).
+"""
 
 from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from megapipe.config import ModelConfig
 from megapipe.layers.linear import ColumnParallelLinear, RowParallelLinear
+from megapipe.model.dropout import LogicalDropout
 from megapipe.model.rotary import RotaryEmbedding
 from megapipe.parallel.random import RNGTracker
 from megapipe.parallel.state import Group
@@ -31,9 +39,11 @@ class SelfAttention(torch.nn.Module):
         *,
         output_init_std: float,
         sequence_parallel: bool,
+        layer_number: int = 0,
     ) -> None:
         super().__init__()
         self.rng = rng
+        self.layer_number = layer_number  # global index: keys this layer's dropout masks
         self.dropout = config.attention_dropout
         self.head_dim = config.head_dim
         self.local_heads = config.num_attention_heads // tp.size
@@ -63,9 +73,14 @@ class SelfAttention(torch.nn.Module):
         x: torch.Tensor,
         rotary: RotaryEmbedding | None,
         attention_mask: torch.Tensor | None = None,
+        dropout_masks: LogicalDropout | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """attention_mask: None for plain causal attention, else [b, 1, s, s] bool, True where
-        a query may attend a key (--reset-attention-mask: causal within each document)."""
+        a query may attend a key (--reset-attention-mask: causal within each document).
+
+        dropout_masks: layout-invariant masks for this micro-batch; without them, training
+        dropout draws from the rank's tensor-parallel stream inside SDPA (not layout-invariant).
+        """
         qkv, _ = self.linear_qkv(x)
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.local_groups, self.queries_per_group + 2, self.head_dim)
@@ -75,17 +90,55 @@ class SelfAttention(torch.nn.Module):
             q, k = rotary(q), rotary(k)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         dropout = self.dropout if self.training else 0.0
-        context = self.rng.fork() if dropout > 0 else contextlib.nullcontext()
-        with context:
-            out = F.scaled_dot_product_attention(
+        scale = 1.0 / math.sqrt(self.head_dim)
+        if dropout > 0 and dropout_masks is not None:
+            layer = self.layer_number
+            out = explicit_attention(
                 q,
                 k,
                 v,
-                attn_mask=attention_mask,
-                dropout_p=dropout,
-                is_causal=attention_mask is None,
-                scale=1.0 / math.sqrt(self.head_dim),
-                enable_gqa=self.local_groups != self.local_heads,
+                attention_mask,
+                scale,
+                lambda probs: dropout_masks.attention_probs(probs, dropout, layer),
             )
+        else:
+            with self.rng.fork() if dropout > 0 else contextlib.nullcontext():
+                out = F.scaled_dot_product_attention(
+                    q,
+                    k,
+                    v,
+                    attn_mask=attention_mask,
+                    dropout_p=dropout,
+                    is_causal=attention_mask is None,
+                    scale=scale,
+                    enable_gqa=self.local_groups != self.local_heads,
+                )
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim)
         return self.linear_proj(out)
+
+
+def explicit_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scale: float,
+    drop: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """softmax(q k^T * scale, masked) -> drop -> @ v, the unfused form of SDPA.
+
+    q: [b, heads, s, d]; k, v: [b, groups, s, d] (GQA: head i reads group i // (heads/groups),
+    as SDPA's enable_gqa). attention_mask: None for causal, else [b, 1, s, s] bool (True = may
+    attend). The softmax runs in fp32 and is cast back to q's dtype before dropout.
+    """
+    heads, groups = q.shape[1], k.shape[1]
+    if heads != groups:
+        k = k.repeat_interleave(heads // groups, dim=1)
+        v = v.repeat_interleave(heads // groups, dim=1)
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+    if attention_mask is None:
+        s_q, s_k = scores.shape[-2:]
+        attention_mask = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~attention_mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(drop(probs), v)

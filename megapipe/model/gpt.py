@@ -18,6 +18,7 @@ from megapipe.layers.embedding import VocabParallelEmbedding, vocab_range
 from megapipe.layers.linear import ColumnParallelLinear
 from megapipe.layers.norms import build_norm
 from megapipe.layers.param_meta import ParamMeta, make_param
+from megapipe.model.dropout import EMBEDDING_LAYER, LogicalDropout
 from megapipe.model.initialization import initialize_parameters
 from megapipe.model.rotary import RotaryEmbedding
 from megapipe.model.transformer_layer import TransformerLayer
@@ -63,7 +64,12 @@ class LanguageEmbedding(torch.nn.Module):
                 1,
             )
 
-    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        dropout_masks: LogicalDropout | None = None,
+    ) -> torch.Tensor:
         x = self.word_embeddings(tokens)  # [b, s, h], complete on every TP rank
         if self.position_embeddings is not None:
             if position_ids is None:
@@ -74,6 +80,8 @@ class LanguageEmbedding(torch.nn.Module):
         if self.sequence_parallel:
             x = scatter_to_sequence_parallel_region(x, self.tp)
         if self.training and self.dropout > 0:
+            if dropout_masks is not None:
+                return dropout_masks.hidden(x, self.dropout, EMBEDDING_LAYER, "embedding")
             with self.rng.fork() if self.sequence_parallel else contextlib.nullcontext():
                 x = F.dropout(x, self.dropout, training=True)
         return x
@@ -96,7 +104,9 @@ class Decoder(torch.nn.Module):
         self.sequence_parallel = sequence_parallel
         self.layers = torch.nn.ModuleDict(
             {
-                str(i): TransformerLayer(config, tp, rng, sequence_parallel=sequence_parallel)
+                str(i): TransformerLayer(
+                    config, tp, rng, sequence_parallel=sequence_parallel, layer_number=i
+                )
                 for i in layers
             }
         )
@@ -116,11 +126,13 @@ class Decoder(torch.nn.Module):
         x: torch.Tensor,
         rotary: RotaryEmbedding | None,
         attention_mask: torch.Tensor | None = None,
+        dropout_masks: LogicalDropout | None = None,
     ) -> torch.Tensor:
-        # Under SP every activation is a per-rank shard: all dropout draws from the TP stream.
+        # Without dropout_masks, dropout draws from the rank's streams: under SP every
+        # activation is a per-rank shard, so all of it draws from the TP stream.
         with self.rng.fork() if self.sequence_parallel else contextlib.nullcontext():
             for layer in self.layers.values():
-                x = layer(x, rotary, attention_mask)
+                x = layer(x, rotary, attention_mask, dropout_masks)
         if self.final_layernorm is not None:
             x = self.final_layernorm(x)
         return x
@@ -149,6 +161,7 @@ class GPTModel(torch.nn.Module):
         layers = range(config.num_layers) if layers is None else layers
         tp = state.tp
         self.config = config
+        self.seed = seed  # also keys the dropout masks (model/dropout.py)
         self.tp = tp
         self.sequence_parallel = sequence_parallel and tp.size > 1
         self.pre_process = layers.start == 0
@@ -201,20 +214,27 @@ class GPTModel(torch.nn.Module):
         labels: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        sample_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """First stage: `tokens` [b, s]; later stages: `hidden_states` [s, b, h].
 
         attention_mask: None for causal attention, else [b, 1, s, s] bool, True = may attend
         (every stage needs it: --reset-attention-mask).
 
+        sample_ids: int64 [b], the global indices of the micro-batch's samples. In training
+        with dropout they key every dropout mask (model/dropout.py), which makes dropout the
+        same whatever the TP/PP/DP layout; without them dropout draws from the rank's random
+        streams (parallel/random.py). Ignored in eval mode and when both dropouts are 0.
+
         Returns hidden states [s, b, h] before the last stage; on the last stage the
         vocabulary-parallel logits [s, b, vocab/tp], or the per-token loss [b, s] when
         `labels` [b, s] are given. Logits of padding ids (>= vocab_size) are returned as
         computed but never enter the loss; samplers must ignore them too.
         """
+        masks = self._dropout_masks(sample_ids)
         if self.pre_process:
-            hidden_states = self.embedding(tokens, position_ids)
-        x = self.decoder(hidden_states, self.rotary, attention_mask)
+            hidden_states = self.embedding(tokens, position_ids, masks)
+        x = self.decoder(hidden_states, self.rotary, attention_mask, masks)
         if not self.post_process:
             return x
         logits, _ = self.output_layer(x)
@@ -224,6 +244,20 @@ class GPTModel(torch.nn.Module):
             logits, labels.t(), self.tp, self.vocab_start, self.config.vocab_size
         )
         return loss.t()
+
+    def _dropout_masks(self, sample_ids: torch.Tensor | None) -> LogicalDropout | None:
+        config = self.config
+        if sample_ids is None or not self.training:
+            return None
+        if config.attention_dropout == 0 and config.hidden_dropout == 0:
+            return None
+        return LogicalDropout(
+            self.seed,
+            sample_ids,
+            tp_rank=self.tp.rank,
+            tp_size=self.tp.size,
+            sequence_parallel=self.sequence_parallel,
+        )
 
     def shared_word_embedding(self) -> torch.nn.Parameter | None:
         """The tied word-embedding weight this stage holds, if any (for the embedding group)."""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -10,6 +12,7 @@ import torch.nn.functional as F
 from megapipe.config import ModelConfig
 from megapipe.layers.norms import build_norm
 from megapipe.model.attention import SelfAttention
+from megapipe.model.dropout import LogicalDropout
 from megapipe.model.mlp import MLP
 from megapipe.model.rotary import RotaryEmbedding
 from megapipe.parallel.random import RNGTracker
@@ -17,21 +20,38 @@ from megapipe.parallel.state import Group
 
 
 def bias_dropout_add(
-    x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, p: float, training: bool
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor,
+    p: float,
+    training: bool,
+    drop: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """residual + dropout(x + bias): the fusion point for a fused kernel later."""
+    """residual + dropout(x + bias): the fusion point for a fused kernel later.
+
+    drop: applies layout-invariant dropout (model/dropout.py); None draws from torch's stream.
+    """
     if bias is not None:
         x = x + bias
     if training and p > 0:
-        x = F.dropout(x, p, training=True)
+        x = drop(x) if drop is not None else F.dropout(x, p, training=True)
     return residual + x
 
 
 class TransformerLayer(torch.nn.Module):
+    """layer_number: the layer's global index (keys its dropout masks, whichever stage holds it)."""
+
     def __init__(
-        self, config: ModelConfig, tp: Group, rng: RNGTracker, *, sequence_parallel: bool
+        self,
+        config: ModelConfig,
+        tp: Group,
+        rng: RNGTracker,
+        *,
+        sequence_parallel: bool,
+        layer_number: int = 0,
     ) -> None:
         super().__init__()
+        self.layer_number = layer_number
         self.hidden_dropout = config.hidden_dropout
         # Megatron scales the init of layers that write into the residual stream.
         output_std = config.init_method_std / math.sqrt(2.0 * config.num_layers)
@@ -39,7 +59,12 @@ class TransformerLayer(torch.nn.Module):
         eps = config.layernorm_epsilon
         self.input_layernorm = build_norm(config.normalization, config.hidden_size, eps, sp)
         self.self_attention = SelfAttention(
-            config, tp, rng, output_init_std=output_std, sequence_parallel=sp
+            config,
+            tp,
+            rng,
+            output_init_std=output_std,
+            sequence_parallel=sp,
+            layer_number=layer_number,
         )
         self.pre_mlp_layernorm = build_norm(config.normalization, config.hidden_size, eps, sp)
         self.mlp = MLP(config, tp, output_init_std=output_std, sequence_parallel=sp)
@@ -49,8 +74,17 @@ class TransformerLayer(torch.nn.Module):
         x: torch.Tensor,
         rotary: RotaryEmbedding | None = None,
         attention_mask: torch.Tensor | None = None,
+        dropout_masks: LogicalDropout | None = None,
     ) -> torch.Tensor:
-        out, bias = self.self_attention(self.input_layernorm(x), rotary, attention_mask)
-        x = bias_dropout_add(out, bias, x, self.hidden_dropout, self.training)
+        p = self.hidden_dropout
+        drop_attention = drop_mlp = None
+        if dropout_masks is not None:
+            drop = partial(dropout_masks.hidden, p=p, layer=self.layer_number)
+            drop_attention = partial(drop, site="attention_output")
+            drop_mlp = partial(drop, site="mlp_output")
+        out, bias = self.self_attention(
+            self.input_layernorm(x), rotary, attention_mask, dropout_masks
+        )
+        x = bias_dropout_add(out, bias, x, p, self.training, drop_attention)
         out, bias = self.mlp(self.pre_mlp_layernorm(x))
-        return bias_dropout_add(out, bias, x, self.hidden_dropout, self.training)
+        return bias_dropout_add(out, bias, x, p, self.training, drop_mlp)

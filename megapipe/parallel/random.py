@@ -12,6 +12,12 @@ Two streams per rank, as in Megatron-LM:
 `fork()` swaps the device generator's state with the TP stream's for the duration of a block,
 so any kernel (scaled_dot_product_attention's dropout, fused kernels) draws from it unchanged.
 The tracker is an object passed to the model, not module state.
+
+These streams keep TP replicas consistent but are not layout-invariant: a stream's state
+depends on everything the rank drew before, and the TP stream differs per TP rank. Training
+therefore passes each micro-batch's global sample ids to the model, whose dropout then uses
+masks keyed by (seed, sample, layer, site) instead (`model/dropout.py`); the streams are what
+dropout draws from when a caller gives no sample ids.
 """
 
 from __future__ import annotations
