@@ -3,8 +3,9 @@
 Both models compute the same math ([s, b, h] activations, learned absolute positions, pre-norm
 LayerNorm, fused QKV with bias, causal scaled_dot_product_attention, GeLU MLP of 4h, residuals,
 final LayerNorm, output layer tied to the word embedding, cross-entropy) with the same size, the
-same weights (the plain model is loaded from megapipe's initialisation), the same inputs and the
-same thread count. One timed step is forward + backward + Adam step + zero_grad.
+same weights (the plain model, `megapipe/reference_gpt.py`, is loaded from megapipe's
+initialisation), the same inputs and the same thread count. One timed step is forward +
+backward + Adam step + zero_grad.
 
 After a warm-up the two are timed in alternating rounds (AB, BA, AB, ...; each round times
 `--steps` steps of each), so slow drifts of a noisy machine hit both alike. The headline number
@@ -26,80 +27,10 @@ import time
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megapipe.atomic_files import write_json
-
-# --------------------------------------------------------------------------------------------
-# The plain-PyTorch reference model (deliberately no megapipe imports here).
-# --------------------------------------------------------------------------------------------
-
-
-class PlainBlock(nn.Module):
-    """x + drop(proj(attn(ln1(x)))), then x + drop(fc2(gelu(fc1(ln2(x)))))."""
-
-    def __init__(self, hidden: int, heads: int, dropout: float, eps: float) -> None:
-        super().__init__()
-        self.heads, self.head_dim, self.dropout = heads, hidden // heads, dropout
-        self.ln1 = nn.LayerNorm(hidden, eps=eps)
-        # Output features laid out per head as [q_h, k_h, v_h] (Megatron's layout).
-        self.qkv = nn.Linear(hidden, 3 * hidden)
-        self.proj = nn.Linear(hidden, hidden)
-        self.ln2 = nn.LayerNorm(hidden, eps=eps)
-        self.fc1 = nn.Linear(hidden, 4 * hidden)
-        self.fc2 = nn.Linear(4 * hidden, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        s, b, h = x.shape
-        qkv = self.qkv(self.ln1(x)).view(s, b, self.heads, 3, self.head_dim)
-        q, k, v = (qkv[:, :, :, i].permute(1, 2, 0, 3) for i in range(3))  # [b, heads, s, d]
-        p = self.dropout if self.training else 0.0
-        a = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        a = a.permute(2, 0, 1, 3).reshape(s, b, h)
-        x = x + F.dropout(self.proj(a), p, self.training)
-        return x + F.dropout(self.fc2(F.gelu(self.fc1(self.ln2(x)))), p, self.training)
-
-
-class PlainGPT(nn.Module):
-    """A decoder-only GPT over [s, b, h] activations with a tied output layer."""
-
-    def __init__(
-        self,
-        layers: int,
-        hidden: int,
-        heads: int,
-        vocab: int,
-        seq: int,
-        dropout: float,
-        eps: float = 1e-5,
-        std: float = 0.02,
-    ) -> None:
-        super().__init__()
-        self.dropout = dropout
-        self.wte = nn.Embedding(vocab, hidden)
-        self.wpe = nn.Embedding(seq, hidden)
-        self.blocks = nn.ModuleList(PlainBlock(hidden, heads, dropout, eps) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(hidden, eps=eps)
-        for name, p in self.named_parameters():
-            if name.endswith("bias"):
-                nn.init.zeros_(p)
-            elif name.endswith(("proj.weight", "fc2.weight")):
-                nn.init.normal_(p, 0.0, std / math.sqrt(2.0 * layers))
-            elif p.dim() == 2:
-                nn.init.normal_(p, 0.0, std)
-
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """tokens, labels: [b, s]; returns the per-token loss [b, s]."""
-        s = tokens.shape[1]
-        x = self.wte(tokens.t()) + self.wpe.weight[:s, None]  # [s, b, h]
-        x = F.dropout(x, self.dropout, self.training)
-        for block in self.blocks:
-            x = block(x)
-        logits = F.linear(self.ln_f(x), self.wte.weight)  # [s, b, vocab]
-        loss = F.cross_entropy(logits.flatten(0, 1), labels.t().flatten(), reduction="none")
-        return loss.view(s, -1).t()
-
+from megapipe.reference_gpt import PlainGPT, copy_weights
 
 # --------------------------------------------------------------------------------------------
 # Building both models from one configuration.
@@ -107,6 +38,7 @@ class PlainGPT(nn.Module):
 
 
 def build_megapipe(args: argparse.Namespace) -> nn.Module:
+    from megapipe.arguments.validation import validate_model
     from megapipe.config import ModelConfig
     from megapipe.model.gpt import GPTModel
     from megapipe.parallel.random import RNGTracker
@@ -121,61 +53,12 @@ def build_megapipe(args: argparse.Namespace) -> nn.Module:
         attention_dropout=args.dropout,
         hidden_dropout=args.dropout,
     )
-    config.validate()
+    validate_model(config)
     if config.padded_vocab_size(1) != args.vocab:
         raise SystemExit(f"--vocab {args.vocab} must be a multiple of 128 (no padding)")
     rng = RNGTracker(args.seed)
     rng.seed_default()
     return GPTModel(config, ParallelState.single(), rng, seed=args.seed)
-
-
-# megapipe parameter name -> plain parameter name (per layer: "L" stands for the index).
-_LAYER_NAMES = {
-    "input_layernorm.weight": "ln1.weight",
-    "input_layernorm.bias": "ln1.bias",
-    "self_attention.linear_qkv.weight": "qkv.weight",
-    "self_attention.linear_qkv.bias": "qkv.bias",
-    "self_attention.linear_proj.weight": "proj.weight",
-    "self_attention.linear_proj.bias": "proj.bias",
-    "pre_mlp_layernorm.weight": "ln2.weight",
-    "pre_mlp_layernorm.bias": "ln2.bias",
-    "mlp.linear_fc1.weight": "fc1.weight",
-    "mlp.linear_fc1.bias": "fc1.bias",
-    "mlp.linear_fc2.weight": "fc2.weight",
-    "mlp.linear_fc2.bias": "fc2.bias",
-}
-
-
-def plain_name(name: str) -> str:
-    fixed = {
-        "embedding.word_embeddings.weight": "wte.weight",
-        "embedding.position_embeddings.weight": "wpe.weight",
-        "decoder.final_layernorm.weight": "ln_f.weight",
-        "decoder.final_layernorm.bias": "ln_f.bias",
-    }
-    if name in fixed:
-        return fixed[name]
-    prefix = "decoder.layers."
-    if not name.startswith(prefix):
-        raise KeyError(name)
-    index, rest = name[len(prefix) :].split(".", 1)
-    return f"blocks.{index}.{_LAYER_NAMES[rest]}"
-
-
-@torch.no_grad()
-def copy_weights(src: nn.Module, dst: PlainGPT) -> None:
-    """Give the plain model megapipe's initial weights (so the step-0 losses must agree)."""
-    targets = dict(dst.named_parameters())
-    seen = set()
-    for name, p in src.named_parameters():  # the tied output weight is listed once
-        target = targets[plain_name(name)]
-        if target.shape != p.shape:
-            raise ValueError(f"{name}: {tuple(p.shape)} vs {tuple(target.shape)}")
-        target.copy_(p)
-        seen.add(plain_name(name))
-    missing = set(targets) - seen
-    if missing:
-        raise ValueError(f"plain parameters without a megapipe counterpart: {sorted(missing)}")
 
 
 def count_params(model: nn.Module) -> int:
