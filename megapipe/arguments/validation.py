@@ -11,6 +11,7 @@ may be imported by the layers that this module consults (schedules, partition, L
 from __future__ import annotations
 
 import dataclasses
+import os
 import warnings
 
 from megapipe.config import (
@@ -175,6 +176,12 @@ def validate_logging(logging: LoggingConfig) -> None:
     )
     if logging.device_peak_tflops is not None:
         _positive(device_peak_tflops=logging.device_peak_tflops)
+    path = logging.tensorboard_dir
+    if path is not None:
+        _require(
+            not os.path.exists(path) or os.path.isdir(path),
+            f"--tensorboard-dir {path}: exists and is not a directory",
+        )
 
 
 def validate_data(data: DataConfig) -> None:
