@@ -21,6 +21,7 @@ from megapipe.data.indexed_builder import IndexedDatasetBuilder
 from megapipe.data.mock import MockGPTDataset
 from megapipe.data.sampler import micro_batch_range
 from megapipe.data.sources import build_batch_sources
+from megapipe.errors import ConfigError
 from megapipe.testing import run_distributed
 
 SEQ, GBS, MBS = 16, 8, 2
@@ -152,7 +153,10 @@ def test_per_split_paths_are_used_whole(tmp_path: Path) -> None:
 
 
 def data_config(prefix: str, split: str):
-    return configs("--data-path", prefix, "--split", split, *NULL_TOKENIZER).data
+    """The data flags alone (--eval-iters 0: start-up checks only the training split)."""
+    return configs(
+        "--data-path", prefix, "--split", split, "--eval-iters", "0", *NULL_TOKENIZER
+    ).data
 
 
 def test_empty_evaluation_split_is_a_one_line_error(tmp_path: Path) -> None:
@@ -166,8 +170,12 @@ def test_empty_evaluation_split_is_a_one_line_error(tmp_path: Path) -> None:
     with pytest.raises(DataError) as info:
         check_data_config(data, needs_eval=True)
     assert str(info.value) == expected
-    with pytest.raises(DataError) as info:
-        sources(configs("--data-path", twenty, "--split", "99,1,0", *NULL_TOKENIZER))
+    with pytest.raises(ConfigError) as config_info:  # pretrain_gpt.py refuses it at start-up
+        configs("--data-path", twenty, "--split", "99,1,0", *NULL_TOKENIZER)
+    assert str(config_info.value) == expected
+    with pytest.raises(DataError) as info:  # and so does building the sources
+        sources(configs("--data-path", twenty, "--split", "99,1,0", "--eval-iters", "0",
+                        *NULL_TOKENIZER), valid=4 * GBS)  # fmt: skip
     assert str(info.value) == expected
     with pytest.raises(DataError, match=r"the test split holds 0 of 20 .*--split '90,9,1'"):
         check_data_config(data_config(twenty, "90,9,1"), needs_eval=True)  # test: [20, 20)
@@ -178,7 +186,9 @@ def test_zero_share_or_zero_samples_means_no_source(tmp_path: Path) -> None:
     check_data_config(data_config(hundred, "98,2,0"), needs_eval=True)  # no test split: fine
     built = sources(configs("--data-path", hundred, "--split", "98,2,0", *NULL_TOKENIZER))
     assert built.test is None and documents(built.valid.samples(range(4 * GBS))) == {98, 99}
-    none = sources(configs("--data-path", hundred, *NULL_TOKENIZER), valid=0, test=0)
+    none = sources(
+        configs("--data-path", hundred, "--eval-iters", "0", *NULL_TOKENIZER), valid=0, test=0
+    )
     assert none.valid is None and none.test is None and none.train is not None
 
 

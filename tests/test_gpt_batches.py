@@ -122,5 +122,5 @@ def test_bad_samples_are_named() -> None:
     with pytest.raises(DataError, match="samples 35..36 hold token id 44, outside the tokenizer's"):
         source.batch(range(35, 37))
     source = GPTBatchSource(CountingDataset(10, 8), 50, MaskOptions(EOD))
-    with pytest.raises(DataError, match="sample 10 is beyond the 10 samples built"):
+    with pytest.raises(DataError, match="train sample 10 is beyond the 10 train samples built"):
         source.batch(range(9, 11))
