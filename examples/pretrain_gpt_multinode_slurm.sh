@@ -36,33 +36,16 @@ fi
 for tool in srun scontrol; do
     command -v "$tool" >/dev/null 2>&1 || missing+=("$tool not found: this script needs SLURM")
 done
-if ! command -v nvidia-smi >/dev/null 2>&1; then
-    missing+=("nvidia-smi not found: this script needs nodes with $GPUS_PER_NODE NVIDIA GPUs")
-elif ! gpu_list=$(nvidia-smi --list-gpus 2>&1); then
-    missing+=("nvidia-smi failed: ${gpu_list%%$'\n'*}")
+if [[ -f "$MEGAPIPE_DIR/examples/lib/gpu_job_checks.sh" ]]; then
+    # shellcheck source-path=SCRIPTDIR source=lib/gpu_job_checks.sh
+    source "$MEGAPIPE_DIR/examples/lib/gpu_job_checks.sh"
 else
-    gpus=$(grep -c '^GPU ' <<<"$gpu_list" || true)
-    if ((gpus < GPUS_PER_NODE)); then
-        missing+=("found $gpus GPUs, need $GPUS_PER_NODE (set GPUS_PER_NODE, and the layout, to match)")
-    fi
-fi
-command -v torchrun >/dev/null 2>&1 || missing+=("torchrun not found: install PyTorch")
-[[ -f "$MEGAPIPE_DIR/pretrain_gpt.py" ]] ||
-    missing+=("$MEGAPIPE_DIR/pretrain_gpt.py not found: submit from the megapipe checkout or set MEGAPIPE_DIR")
-[[ -f "$VOCAB_FILE" ]] || missing+=("vocab file VOCAB_FILE=$VOCAB_FILE not found (GPT-2 vocab.json)")
-[[ -f "$MERGE_FILE" ]] || missing+=("merge file MERGE_FILE=$MERGE_FILE not found (GPT-2 merges.txt)")
-read -r -a data_words <<<"$DATA_PATH"
-for word in "${data_words[@]}"; do
-    [[ "$word" =~ ^[0-9.eE+-]+$ ]] && continue # a blend weight, not a prefix
-    for ext in bin idx; do
-        [[ -f "$word.$ext" ]] || missing+=("data file $word.$ext not found (DATA_PATH=$DATA_PATH)")
-    done
-done
-if ((${#missing[@]})); then
-    echo "$(basename "$0"): cannot start:" >&2
-    printf '  - %s\n' "${missing[@]}" >&2
+    echo "$(basename "$0"): cannot start: $MEGAPIPE_DIR is not a megapipe checkout: submit from the megapipe checkout or set MEGAPIPE_DIR" >&2
     exit 1
 fi
+read -r -a data_words <<<"$DATA_PATH"
+check_gpu_job "nodes" "submit from the megapipe checkout or set MEGAPIPE_DIR"
+report_missing
 
 # ---- environment (srun passes it on to every node) ----
 export CUDA_DEVICE_MAX_CONNECTIONS=1 # keeps TP/SP communication in issue order, as Megatron needs

