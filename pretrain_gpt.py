@@ -15,8 +15,8 @@ from collections.abc import Sequence
 import torch.distributed as dist
 
 from megapipe.arguments import PROG, parse_args
-from megapipe.config import ConfigError
 from megapipe.data.errors import DataError
+from megapipe.errors import ConfigError
 from megapipe.parallel import ParallelState, initialize_distributed
 from megapipe.training import train
 from megapipe.training.step import NonFiniteLossError

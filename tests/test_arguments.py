@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megapipe.arguments import NO_DATASET, parse_args
-from megapipe.config import ConfigError
+from megapipe.errors import ConfigError
 
 
 def argv(**flags: object) -> list[str]:

@@ -12,7 +12,7 @@ import pytest
 import torch._dynamo  # noqa: F401  (imported once here so forked ranks inherit it)
 
 from megapipe.arguments import NO_DATASET, parse_args
-from megapipe.config import ConfigError
+from megapipe.errors import ConfigError
 from megapipe.parallel import ParallelState
 from megapipe.testing import run_distributed
 from megapipe.training import train

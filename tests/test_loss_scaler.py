@@ -7,7 +7,6 @@ import io
 import pytest
 import torch
 
-from megapipe.config import ConfigError
 from megapipe.distributed import loss_scaler as ls
 from megapipe.distributed.loss_scaler import (
     ConstantLossScaler,
@@ -15,6 +14,7 @@ from megapipe.distributed.loss_scaler import (
     found_inf_or_nan,
     make_loss_scaler,
 )
+from megapipe.errors import ConfigError
 from megapipe.testing import run_distributed
 
 INF, NAN = float("inf"), float("nan")

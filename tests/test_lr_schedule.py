@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from megapipe.config import ConfigError
+from megapipe.errors import ConfigError
 from megapipe.training.lr_schedule import LRSchedule, resolve_schedule
 
 MAX, MIN = 3e-4, 3e-5

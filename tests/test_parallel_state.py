@@ -6,7 +6,7 @@ import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
-from megapipe.config import ConfigError
+from megapipe.errors import ConfigError
 from megapipe.parallel.state import GROUP_KINDS, ParallelState, rank_layout
 from megapipe.testing import run_distributed
 

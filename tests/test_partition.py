@@ -4,7 +4,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from megapipe.config import ConfigError, ModelConfig
+from megapipe.config import ModelConfig
+from megapipe.errors import ConfigError
 from megapipe.pipeline.partition import balanced_counts, partition_layers
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from megapipe.config import ConfigError
+from megapipe.errors import ConfigError
 from megapipe.pipeline.schedules import (
     P2P,
     Comm,

@@ -17,7 +17,7 @@ import importlib.util
 import sys
 from collections.abc import Sequence
 
-from megapipe.config import ConfigError
+from megapipe.errors import ConfigError
 from megapipe.pipeline.schedules import SCHEDULE_KINDS
 from megapipe.pipeline.timeline import (
     TraceFormatError,

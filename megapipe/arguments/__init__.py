@@ -13,7 +13,7 @@ import os
 import sys
 import warnings
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 import torch
 
@@ -47,6 +47,7 @@ from megapipe.parallel.initialize import default_backend
 from megapipe.training.batch_size import BatchSizeSchedule
 
 PROG = "pretrain_gpt.py"
+T = TypeVar("T")
 __all__ = ["NO_DATASET", "PROG", "build_parser", "parse_args"]
 
 
@@ -145,38 +146,9 @@ def parse_args(argv: Sequence[str] | None, world_size: int) -> Configs:
     )
     validate_parallel(parallel, world_size)  # before the DP size below is computed from it
     training = _training_config(args, parallel.data_parallel_size(world_size))
-    optimizer = OptimizerConfig(
-        optimizer=args.optimizer,
-        adam_beta1=args.adam_beta1,
-        adam_beta2=args.adam_beta2,
-        adam_eps=args.adam_eps,
-        sgd_momentum=args.sgd_momentum,
-        weight_decay=args.weight_decay,
-        clip_grad=args.clip_grad,
-        use_distributed_optimizer=args.use_distributed_optimizer,
-        overlap_grad_reduce=args.overlap_grad_reduce,
-        ddp_bucket_size=args.ddp_bucket_size,
-        bf16=args.bf16,
-        fp16=args.fp16,
-        loss_scale=args.loss_scale,
-        initial_loss_scale=args.initial_loss_scale,
-        min_loss_scale=args.min_loss_scale,
-        loss_scale_window=args.loss_scale_window,
-        hysteresis=args.hysteresis,
-    )
-    logging = LoggingConfig(
-        log_throughput=args.log_throughput,
-        device_peak_tflops=args.device_peak_tflops,
-        tensorboard_dir=args.tensorboard_dir,
-        tensorboard_log_interval=args.tensorboard_log_interval,
-        tensorboard_queue_size=args.tensorboard_queue_size,
-        log_timers_to_tensorboard=args.log_timers_to_tensorboard,
-        log_validation_ppl_to_tensorboard=args.log_validation_ppl_to_tensorboard,
-        log_learning_rate_to_tensorboard=args.log_learning_rate_to_tensorboard,
-        log_loss_scale_to_tensorboard=args.log_loss_scale_to_tensorboard,
-        log_batch_size_to_tensorboard=args.log_batch_size_to_tensorboard,
-    )
-    checkpoint = CheckpointConfig(save=args.save, load=args.load, save_interval=args.save_interval)
+    optimizer = _from_args(OptimizerConfig, args)
+    logging = _from_args(LoggingConfig, args)
+    checkpoint = _from_args(CheckpointConfig, args)
     notes += checkpoint_notes(checkpoint)
     configs = validate_configs(
         model,
@@ -192,6 +164,11 @@ def parse_args(argv: Sequence[str] | None, world_size: int) -> Configs:
     for note in notes:
         warnings.warn(note, stacklevel=2)
     return dataclasses.replace(configs, warnings=tuple(notes) + configs.warnings)
+
+
+def _from_args(cls: type[T], args: argparse.Namespace) -> T:
+    """A config whose every field is the flag of the same name (`adam_beta1` <- --adam-beta1)."""
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
 
 def _training_config(args: argparse.Namespace, data_parallel_size: int) -> TrainingConfig:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megapipe.config import ConfigError
+from megapipe.errors import ConfigError
 
 
 def _fp32(x: float) -> float:

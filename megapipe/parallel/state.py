@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megapipe.config import ConfigError
+from megapipe.errors import ConfigError
 
 GROUP_KINDS = ("world", "tp", "pp", "dp", "model_parallel", "embedding")
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megapipe.config import ConfigError, ModelConfig
+from megapipe.config import ModelConfig
+from megapipe.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from megapipe.config import ConfigError
+from megapipe.errors import ConfigError
 
 SCHEDULE_KINDS = ("no-pipelining", "gpipe", "1f1b", "interleaved-1f1b")
 FORWARD_ONLY = "forward-only"  # evaluation: forwards only, no gradients
