@@ -385,3 +385,20 @@ def test_optimizer_defaults_follow_megatron() -> None:
     assert (opt.initial_loss_scale, opt.loss_scale_window, opt.hysteresis) == (2.0**32, 1000, 2)
     assert opt.params_dtype == torch.float32
     assert parse_args(argv(bf16=True), 1).optimizer.params_dtype == torch.bfloat16
+
+
+def test_training_product_defaults_follow_megatron() -> None:
+    configs = parse_args(argv(), 1)
+    training, logging = configs.training, configs.logging
+    assert (training.eval_interval, training.eval_iters) == (1000, 100)
+    assert training.rampup_batch_size is None and training.train_samples is None
+    assert training.exit_interval is None and training.exit_duration_in_mins is None
+    assert not training.exit_signal_handler and not training.skip_train
+    assert configs.parallel.distributed_timeout_minutes == 10
+    assert (logging.tensorboard_dir, logging.tensorboard_log_interval) == (None, 1)
+    assert logging.tensorboard_queue_size == 1000
+    assert logging.log_learning_rate_to_tensorboard and logging.log_loss_scale_to_tensorboard
+    assert not logging.log_batch_size_to_tensorboard
+    assert not logging.log_validation_ppl_to_tensorboard and not logging.log_timers_to_tensorboard
+    assert not logging.log_throughput and logging.device_peak_tflops is None
+    assert (configs.checkpoint.save, configs.checkpoint.load) == (None, None)
