@@ -82,11 +82,13 @@ def make_step(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]
 
     def step() -> float:
         tokens, labels = batches[state["i"] % len(batches)]
+        first = state["i"] * tokens.shape[0]
         state["i"] += 1
         if is_plain:
             loss = model(tokens, labels)
-        else:
-            loss = model(tokens=tokens, labels=labels)
+        else:  # global sample ids, as pretrain_gpt.py passes them: layout-invariant dropout
+            sample_ids = torch.arange(first, first + tokens.shape[0])
+            loss = model(tokens=tokens, labels=labels, sample_ids=sample_ids)
         loss = loss.mean()
         loss.backward()
         optimizer.step()
