@@ -29,4 +29,4 @@ OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node "$NPROC" pretrain_gpt.p
     --data-cache-path "$RUN_DIR/cache" \
     --eval-interval 20 --eval-iters 2 --log-throughput --tensorboard-dir "$RUN_DIR/tensorboard" "$@"
 
-echo "TensorBoard logs: $RUN_DIR/tensorboard (view them with: tensorboard --logdir $RUN_DIR/tensorboard)"
+echo "view the TensorBoard logs with: tensorboard --logdir $RUN_DIR/tensorboard"
