@@ -47,6 +47,8 @@ read -r -a data_words <<<"$DATA_PATH"
 check_gpu_job "nodes" "submit from the megapipe checkout or set MEGAPIPE_DIR"
 report_missing
 
+# Attention dropout 0 keeps attention on SDPA's flash kernels: megapipe's layout-invariant
+# attention dropout takes an explicit (unfused) path. Hidden dropout stays at Megatron's 0.1.
 # ---- environment (srun passes it on to every node) ----
 export CUDA_DEVICE_MAX_CONNECTIONS=1 # keeps TP/SP communication in issue order, as Megatron needs
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
@@ -74,7 +76,7 @@ srun --kill-on-bad-exit=1 torchrun \
     --train-iters "$TRAIN_ITERS" --lr 2.0e-4 --min-lr 2.0e-5 --lr-decay-style cosine \
     --lr-decay-iters "$TRAIN_ITERS" --lr-warmup-fraction 0.01 \
     --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --init-method-std 0.02 \
-    --clip-grad 1.0 --attention-dropout 0.1 --hidden-dropout 0.1 \
+    --clip-grad 1.0 --attention-dropout 0.0 --hidden-dropout 0.1 \
     --bf16 --use-distributed-optimizer --overlap-grad-reduce \
     --tokenizer-type GPT2BPETokenizer --vocab-file "$VOCAB_FILE" --merge-file "$MERGE_FILE" \
     --data-path "${data_words[@]}" --split 949,50,1 --data-cache-path "$RUN_DIR/cache" \
