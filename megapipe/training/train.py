@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megapipe.config import Configs
-from megapipe.data.sources import build_batch_sources
+from megapipe.data.sources import BatchSources, build_batch_sources
 from megapipe.distributed.grad_buffer import GradBuffer
 from megapipe.distributed.loss_scaler import make_loss_scaler
 from megapipe.distributed.optimizer import ShardedOptimizer
@@ -145,9 +145,38 @@ class SampleCounts:
         train = schedule.samples_for_iterations(training.train_iters)
         if training.eval_iters == 0:
             return cls(train, 0, 0)
-        evaluations = training.train_iters // (training.eval_interval or training.train_iters or 1)
+        interval = training.eval_interval
+        evaluations = training.train_iters // interval if interval else 0
         per_evaluation = training.eval_iters * training.global_batch_size
         return cls(train, (evaluations + 1) * per_evaluation, per_evaluation)
+
+
+def build_evaluators(
+    chunks: list[GPTModel],
+    executor: PipelineExecutor,
+    data: BatchSources,
+    configs: Configs,
+    state: ParallelState,
+) -> dict[str, Evaluator]:
+    """An evaluator per split that has data ("valid", "test"); none with --eval-iters 0. They
+    run forward-only at the full global batch, whatever the ramp-up."""
+    training = configs.training
+    if training.eval_iters == 0:
+        return {}
+    forward_only = executor.for_schedule("forward-only", training.num_microbatches(state.dp.size))
+    return {
+        name: Evaluator(
+            chunks,
+            forward_only,
+            source,
+            state,
+            global_batch_size=training.global_batch_size,
+            micro_batch_size=training.micro_batch_size,
+            eval_iters=training.eval_iters,
+        )
+        for name, source in (("valid", data.valid), ("test", data.test))
+        if source is not None
+    }
 
 
 def train(configs: Configs, state: ParallelState) -> list[StepResult]:
@@ -181,19 +210,7 @@ def train(configs: Configs, state: ParallelState) -> list[StepResult]:
     data = build_batch_sources(  # mock samples, or the splits of --data-path (rank 0 indexes)
         configs, train_samples=counts.train, valid_samples=counts.valid, test_samples=counts.test
     )
-    evaluators = {
-        name: Evaluator(
-            chunks,
-            executor.for_schedule("forward-only", training.num_microbatches(state.dp.size)),
-            source,
-            state,
-            global_batch_size=training.global_batch_size,
-            micro_batch_size=training.micro_batch_size,
-            eval_iters=training.eval_iters,
-        )
-        for name, source in (("valid", data.valid), ("test", data.test))
-        if source is not None and training.eval_iters > 0
-    }
+    evaluators = build_evaluators(chunks, executor, data, configs, state)
     executors = {executor.num_microbatches: executor}
     lr_schedule = lr_schedule_of(training) if training.train_iters > 0 else None
     reporter = TrainingReporter(configs, state)
@@ -237,18 +254,19 @@ def train(configs: Configs, state: ParallelState) -> list[StepResult]:
             reason = exit_check.reason(iteration)
             if reason is not None:
                 print_rank_0(state, reason)
-                return results
-        for name, label in (("valid", "validation"), ("test", "test")):
-            if name in evaluators:
-                losses = evaluators[name].evaluate()
-                prefix = f"iteration {iteration} on {label} set"
-                reporter.validation(prefix, losses, iteration, consumed)
+                break
+        else:  # the run's end, not an early exit: Megatron's final evaluations
+            for name, label in (("valid", "validation"), ("test", "test")):
+                if name in evaluators:
+                    losses = evaluators[name].evaluate()
+                    prefix = f"iteration {iteration} on {label} set"
+                    reporter.validation(prefix, losses, iteration, consumed)
     finally:
         exit_check.close()
         reporter.close()
-        if trace is not None and results:
-            gather_and_write(trace, trace_path, state.pp.ranks, _trace_metadata(configs, state))
-            print_rank_0(state, f"pipeline trace written to {trace_path}")
+    if trace is not None and results:  # collective: only when every rank got here
+        gather_and_write(trace, trace_path, state.pp.ranks, _trace_metadata(configs, state))
+        print_rank_0(state, f"pipeline trace written to {trace_path}")
     if configs.logging.tensorboard_dir is not None:
         print_rank_0(state, f"TensorBoard logs in {configs.logging.tensorboard_dir}")
     return results
