@@ -103,6 +103,15 @@ def test_ramp_up_steps_must_be_whole_micro_batches_per_rank() -> None:
                            "--train-iters", "3"], 2)  # fmt: skip
 
 
+def test_every_ramped_batch_must_suit_the_pipeline_schedule() -> None:
+    interleaved = ["--num-layers", "4", "--pipeline-model-parallel-size", "2",
+                   "--num-layers-per-virtual-pipeline-stage", "1", "--micro-batch-size", "1",
+                   "--global-batch-size", "8", "--train-iters", "3"]  # fmt: skip
+    parse_args(BASE + interleaved + ["--rampup-batch-size", "2", "2", "8"], 2)  # 2, 4, 6, 8
+    with pytest.raises(ConfigError, match=r"micro-batches \(3\).*ramped global batch size 3 "):
+        parse_args(BASE + interleaved + ["--rampup-batch-size", "2", "1", "8"], 2)
+
+
 def test_train_samples_sets_the_number_of_iterations() -> None:
     configs = parse_args(BASE + ["--global-batch-size", "8", "--train-samples", "44"], 1)
     assert configs.training.train_iters == 5  # floor(44 / 8), as Megatron

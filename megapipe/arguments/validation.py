@@ -264,12 +264,14 @@ def validate_configs(
     dp = parallel.data_parallel_size(world_size)
     validate_training(training, dp)
     schedule = batch_size_schedule_of(training, dp)
-    for batch_size in schedule.batch_sizes():
+    validate_pipeline(model, parallel, training.num_microbatches(dp))
+    pp, v = parallel.pipeline_model_parallel_size, parallel.virtual_pipeline_model_parallel_size
+    for batch_size in schedule.batch_sizes():  # a ramp-up runs the schedule at each of them
         try:
-            validate_pipeline(model, parallel, batch_size // schedule.samples_per_microbatch_step)
+            validate_schedule(
+                parallel.schedule, pp, v, batch_size // schedule.samples_per_microbatch_step
+            )
         except ConfigError as error:
-            if batch_size == training.global_batch_size:
-                raise
             raise ConfigError(
                 f"{error} (at the ramped global batch size {batch_size} of --rampup-batch-size)"
             ) from None
