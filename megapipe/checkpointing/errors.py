@@ -1,0 +1,8 @@
+"""The error every checkpoint reader and writer raises: one line that names the file or
+directory and the mismatch (a corrupt, incomplete, foreign or malicious checkpoint)."""
+
+from __future__ import annotations
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written or loaded as asked. The message names where and why."""

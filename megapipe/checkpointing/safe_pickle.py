@@ -1,0 +1,107 @@
+"""Read DCP's `.metadata` without running code from the file.
+
+torch's `FileSystemReader.read_metadata` calls plain `pickle.load`, so a `.metadata` from an
+untrusted place can execute anything through `__reduce__`. `load_dcp_metadata` unpickles with an
+allow-list instead: DCP's metadata dataclasses and the few torch values they hold (dtypes,
+layouts, memory formats, `torch.Size`), found by listing the globals of the pickle stream torch
+2.13 writes (`pickletools`). Tensor payloads are already read with `torch.load(weights_only=True)`
+by DCP; byte entries are never read (our load planner refuses them).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+from megapipe.checkpointing.errors import CheckpointError
+
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+_ALLOWED: frozenset[tuple[str, str]] = frozenset(
+    {
+        (_DCP_METADATA, name)
+        for name in (
+            "Metadata",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "MetadataIndex",
+            "StorageMeta",
+            "_MEM_FORMAT_ENCODING",
+        )
+    }
+    | {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch.serialization", "_get_layout"),  # looks a name up among torch's layouts only
+        ("torch", "Size"),
+        ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id
+        ("pathlib", "PurePosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("pathlib", "PureWindowsPath"),
+        ("collections", "OrderedDict"),
+    }
+)
+_TORCH_VALUE_TYPES = (torch.dtype, torch.layout, torch.memory_format)
+
+
+class UnsafePickleError(pickle.UnpicklingError):
+    """The stream names a global outside the allow-list."""
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), _TORCH_VALUE_TYPES):
+            return getattr(torch, name)  # torch.float32, torch.strided, ...: values, not code
+        raise UnsafePickleError(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise UnsafePickleError(f"persistent id {pid!r}")
+
+
+def restricted_loads(data: bytes) -> Any:
+    """Unpickle `data`, allowing only DCP metadata classes; raises UnsafePickleError otherwise."""
+    return _RestrictedUnpickler(io.BytesIO(data)).load()
+
+
+def load_dcp_metadata(path: str | os.PathLike) -> Metadata:
+    """DCP's checkpoint `Metadata` from `path`, read with the allow-list unpickler."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise CheckpointError(f"checkpoint file {path}: cannot read it ({e.strerror})") from None
+    try:
+        metadata = restricted_loads(data)
+    except UnsafePickleError as e:
+        raise CheckpointError(
+            f"checkpoint file {path}: refused to unpickle {e} (not a DCP metadata type; "
+            "the file may carry code)"
+        ) from None
+    except Exception as e:  # truncated or garbage stream
+        raise CheckpointError(
+            f"checkpoint file {path}: not a readable DCP metadata file ({type(e).__name__}: {e})"
+        ) from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(
+            f"checkpoint file {path}: holds a {type(metadata).__name__}, not DCP Metadata"
+        )
+    return metadata
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's FileSystemReader with `read_metadata` through `load_dcp_metadata`."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        metadata = load_dcp_metadata(self._get_metadata_path(kwargs.get("rank")))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
