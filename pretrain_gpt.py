@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch.distributed as dist
 
 from megapipe.arguments import PROG, parse_args
+from megapipe.checkpointing.errors import CheckpointError
 from megapipe.data.errors import DataError
 from megapipe.errors import ConfigError
 from megapipe.parallel import ParallelState, initialize_distributed
@@ -54,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size, device
         )
         train(configs, state)
-    except (NonFiniteLossError, DataError) as error:
+    except (NonFiniteLossError, DataError, CheckpointError) as error:
         print(f"{PROG}: error: {error}", file=sys.stderr, flush=True)
         return 1
     finally:

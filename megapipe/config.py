@@ -192,12 +192,19 @@ class LoggingConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    """Megatron's checkpoint flags, as given (saving and loading land with the checkpoint
-    issue; until then --load finds no checkpoint and training starts from scratch)."""
+    """Megatron's checkpoint flags: where to save and load, what to leave out."""
 
     save: str | None = None
     load: str | None = None
     save_interval: int | None = None
+    ckpt_format: str = "torch_dist"
+    ckpt_step: int | None = None  # load this iteration instead of the tracker's
+    no_save_optim: bool = False
+    no_save_rng: bool = False
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    finetune: bool = False  # load the weights only; iteration and data restart at 0
+    exit_on_missing_checkpoint: bool = False
 
 
 @dataclass(frozen=True)

@@ -94,7 +94,6 @@ def test_the_175b_flag_set_parses_at_its_layout(gpt2_data, tmp_path: Path) -> No
     # --attention-backend auto is what megapipe does: no note; --save and --load are noted
     notes = "\n".join(configs.warnings)
     assert "--attention-backend" not in notes
-    assert "--save/--save-interval have no effect yet" in notes
     assert "no checkpoint found" in notes and "training starts from scratch" in notes
 
 
@@ -132,9 +131,14 @@ def test_the_scaled_down_script_trains_at_tp2_pp2(gpt2_data, tmp_path: Path) -> 
     assert "loss scale: 1.0 |" not in first
     # one TensorBoard writer for the job
     assert len(list(tb.glob("events.out.tfevents.*"))) == 1
-    # start-up notes, once
-    assert run.stderr.count("--save/--save-interval have no effect yet") == 1
-    assert not ckpt.exists() or not any(ckpt.iterdir())
+    # start-up notes, once; checkpoints every --save-interval 12 and at the end
+    assert run.stderr.count("no checkpoint found") == 1
+    assert sorted(p.name for p in ckpt.iterdir()) == [
+        "iter_0000012",
+        "iter_0000024",
+        "latest_checkpointed_iteration.txt",
+    ]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "24"
 
 
 def test_a_megatron_flag_megapipe_lacks_is_refused_by_name() -> None:

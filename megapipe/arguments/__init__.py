@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 import warnings
 from collections.abc import Sequence
@@ -234,24 +233,26 @@ def _training_config(args: argparse.Namespace, data_parallel_size: int) -> Train
 
 
 def checkpoint_notes(checkpoint: CheckpointConfig) -> list[str]:
-    """What the checkpoint flags do until checkpoints exist: --save is accepted and noted; a
-    --load directory without a checkpoint starts from scratch, as in Megatron; a --load
-    directory that holds one is refused rather than silently ignored."""
-    notes = []
-    if checkpoint.save is not None or checkpoint.save_interval is not None:
-        notes.append(
-            "--save/--save-interval have no effect yet: megapipe does not write checkpoints "
-            "(coming with the checkpoint issue)"
+    """Check the checkpoint flags against the directories they name; notes for the user.
+
+    A --load directory without a checkpoint starts from scratch (as in Megatron) unless
+    --exit-on-missing-checkpoint; a named iteration that does not exist is an error."""
+    from megapipe.checkpointing.checkpointer import checkpoint_to_load
+
+    if checkpoint.ckpt_format != "torch_dist":
+        raise ConfigError(
+            f"--ckpt-format {checkpoint.ckpt_format!r}: megapipe writes torch_dist (layout-free, "
+            "loadable at any TP/PP/DP); Megatron's legacy per-rank 'torch' layout is not "
+            "supported yet"
         )
-    if checkpoint.load is not None:
-        tracker = os.path.join(checkpoint.load, "latest_checkpointed_iteration.txt")
-        if os.path.exists(tracker):
-            raise ConfigError(
-                f"--load {checkpoint.load} holds a checkpoint ({tracker}), but megapipe cannot "
-                "load checkpoints yet; drop --load to train from scratch"
-            )
+    if checkpoint.save_interval is not None and checkpoint.save_interval <= 0:
+        raise ConfigError(f"--save-interval must be positive, got {checkpoint.save_interval}")
+    notes = []
+    if checkpoint.save_interval is not None and checkpoint.save is None:
+        notes.append("--save-interval has no effect without --save")
+    if checkpoint.load is not None and checkpoint_to_load(checkpoint) is None:
         notes.append(
-            f"--load {checkpoint.load}: no checkpoint found ({tracker} does not exist); "
-            "training starts from scratch"
+            f"--load {checkpoint.load}: no checkpoint found (no "
+            "latest_checkpointed_iteration.txt); training starts from scratch"
         )
     return notes

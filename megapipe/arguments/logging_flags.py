@@ -79,6 +79,34 @@ def add_logging_args(group: argparse._ArgumentGroup) -> None:
 
 def add_checkpoint_args(group: argparse._ArgumentGroup) -> None:
     add = group.add_argument
-    add("--save", default=None, help="Directory to save checkpoints to (not written yet).")
-    add("--load", default=None, help="Directory to load a checkpoint from (not read yet).")
+    add("--save", default=None, help="Directory to save checkpoints to (SAVE/iter_0000100/...).")
+    add(
+        "--load",
+        default=None,
+        help="Directory to load the latest checkpoint from (latest_checkpointed_iteration.txt); "
+        "an empty one starts from scratch with a warning.",
+    )
     add("--save-interval", type=int, default=None, help="Iterations between checkpoint saves.")
+    add(
+        "--ckpt-format",
+        default="torch_dist",
+        help="torch_dist: layout-free sharded checkpoints on torch.distributed.checkpoint, "
+        "loadable at any TP/PP/DP layout. Default: torch_dist.",
+    )
+    add("--ckpt-step", type=int, default=None, help="Load this iteration instead of the latest.")
+    add("--no-save-optim", action="store_true", help="Do not save the optimizer state.")
+    add("--no-save-rng", action="store_true", help="Do not save the random states.")
+    add("--no-load-optim", action="store_true", help="Do not load the optimizer state.")
+    add("--no-load-rng", action="store_true", help="Do not load the random states.")
+    add(
+        "--finetune",
+        action="store_true",
+        help="Load the model weights only: optimizer, random states, iteration and data "
+        "position start afresh.",
+    )
+    add(
+        "--exit-on-missing-checkpoint",
+        action="store_true",
+        help="With --load: exit with an error if there is no checkpoint, instead of starting "
+        "from scratch.",
+    )

@@ -20,7 +20,6 @@ from megapipe.errors import ConfigError
 FUSED_KERNELS = "megapipe has no fused kernels yet: these ops run as plain PyTorch"
 ATTENTION = "attention runs through torch's scaled_dot_product_attention, which picks its backend"
 NO_TE = "TransformerEngine is not used: megapipe's own layers run (the 'local' implementation)"
-CHECKPOINTS = "checkpoints are not written or read yet (the checkpoint issue)"
 
 
 @dataclass(frozen=True)
@@ -68,15 +67,7 @@ NO_EFFECT_FLAGS: tuple[NoEffectFlag, ...] = (
     NoEffectFlag("--num-workers", "batches are read in the training process", 1),
     NoEffectFlag("--dataloader-type", "samples are read in order", 1, ("single",)),
     NoEffectFlag("--manual-gc", "Python's garbage collector runs as usual"),
-    NoEffectFlag("--ckpt-format", CHECKPOINTS, 1),
-    NoEffectFlag("--no-save-optim", CHECKPOINTS),
-    NoEffectFlag("--no-save-rng", CHECKPOINTS),
-    NoEffectFlag("--no-load-optim", CHECKPOINTS),
-    NoEffectFlag("--no-load-rng", CHECKPOINTS),
-    NoEffectFlag("--finetune", CHECKPOINTS),
-    NoEffectFlag("--exit-on-missing-checkpoint", CHECKPOINTS),
-    NoEffectFlag("--ckpt-step", CHECKPOINTS, 1),
-    NoEffectFlag("--async-save", CHECKPOINTS),
+    NoEffectFlag("--async-save", "checkpoints are written synchronously"),
     NoEffectFlag("--timing-log-level", "the log line always shows the iteration time", 1, ("0",)),
 )
 

@@ -114,6 +114,11 @@ class ShardedOptimizer:
             self.inner = torch.optim.SGD(groups, lr=lr, momentum=config.sgd_momentum)
 
     @property
+    def has_separate_masters(self) -> bool:
+        """bf16/fp16: the fp32 masters are copies; fp32: they are the parameters themselves."""
+        return self._copy_back
+
+    @property
     def sharded(self) -> bool:
         return any(b.shard for b in self.buffers) and self.state.dp.size > 1
 

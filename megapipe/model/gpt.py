@@ -161,6 +161,7 @@ class GPTModel(torch.nn.Module):
         layers = range(config.num_layers) if layers is None else layers
         tp = state.tp
         self.config = config
+        self.rng = rng  # this rank's random streams (checkpoints save and restore them)
         self.seed = seed  # also keys the dropout masks (model/dropout.py)
         self.tp = tp
         self.sequence_parallel = sequence_parallel and tp.size > 1

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
+from megapipe.checkpointing.checkpointer import Checkpointer
+from megapipe.checkpointing.run_state import Progress
 from megapipe.config import Configs
 from megapipe.data.sources import BatchSources, build_batch_sources
 from megapipe.distributed.grad_buffer import GradBuffer
@@ -151,6 +154,37 @@ class SampleCounts:
         return cls(train, (evaluations + 1) * per_evaluation, per_evaluation)
 
 
+def load_checkpoint(checkpoints: Checkpointer, state: ParallelState) -> Progress:
+    """--load's checkpoint into the live run; where training continues (0 from scratch)."""
+    if checkpoints.checkpoint.load is None:
+        return Progress()
+    start = time.perf_counter()
+    progress, notes = checkpoints.load()
+    for note in notes:
+        print_rank_0(state, f" {note}")
+    if progress is None:
+        return Progress()
+    print_rank_0(
+        state,
+        f"  successfully loaded checkpoint from {checkpoints.checkpoint.load} at iteration "
+        f"{progress.iteration} in {time.perf_counter() - start:.2f} s",
+    )
+    return progress
+
+
+def save_checkpoint(checkpoints: Checkpointer, state: ParallelState, progress: Progress) -> None:
+    """Megatron's two lines around a save (collective)."""
+    save = checkpoints.checkpoint.save
+    print_rank_0(state, f"saving checkpoint at iteration {progress.iteration:7d} to {save}")
+    start = time.perf_counter()
+    directory = checkpoints.save(progress)
+    print_rank_0(
+        state,
+        f"  successfully saved checkpoint from iteration {progress.iteration:7d} to {directory} "
+        f"in {time.perf_counter() - start:.2f} s",
+    )
+
+
 def build_evaluators(
     chunks: list[GPTModel],
     executor: PipelineExecutor,
@@ -213,11 +247,27 @@ def train(configs: Configs, state: ParallelState) -> list[StepResult]:
     evaluators = build_evaluators(chunks, executor, data, configs, state)
     executors = {executor.num_microbatches: executor}
     lr_schedule = lr_schedule_of(training) if training.train_iters > 0 else None
+    checkpoints = Checkpointer(configs, state, chunks, optimizer, chunks[0].rng)
+    progress = load_checkpoint(checkpoints, state)
+    for name, evaluator in evaluators.items():
+        evaluator.evaluations = (progress.evaluations or {}).get(name, 0)
     reporter = TrainingReporter(configs, state)
     exit_check = ExitCheck.start(training, state)
     results: list[StepResult] = []
-    consumed = scheduled = 0  # samples read; samples of successful updates (the LR's clock)
-    iteration = 0
+    iteration = progress.iteration
+    consumed = progress.consumed_samples  # samples read: the data position
+    scheduled = progress.scheduled_samples  # samples of successful updates: the LR's clock
+    saved_at = iteration if configs.checkpoint.load else None
+
+    def save() -> None:
+        nonlocal saved_at
+        if configs.checkpoint.save is not None and saved_at != iteration:
+            evaluations = {name: e.evaluations for name, e in evaluators.items()}
+            save_checkpoint(
+                checkpoints, state, Progress(iteration, consumed, scheduled, evaluations)
+            )
+            saved_at = iteration
+
     try:
         while not training.skip_train and iteration < training.train_iters:
             iteration += 1
@@ -251,11 +301,17 @@ def train(configs: Configs, state: ParallelState) -> list[StepResult]:
             if valid and training.eval_interval and iteration % training.eval_interval == 0:
                 losses = valid.evaluate()
                 reporter.validation(f"iteration {iteration}", losses, iteration, consumed)
+            interval = configs.checkpoint.save_interval
+            if interval and iteration % interval == 0:
+                save()
             reason = exit_check.reason(iteration)
             if reason is not None:
+                save()  # Megatron saves before an early exit
                 print_rank_0(state, reason)
                 break
-        else:  # the run's end, not an early exit: Megatron's final evaluations
+        else:  # the run's end, not an early exit: a last save, Megatron's final evaluations
+            if not training.skip_train:
+                save()
             for name, label in (("valid", "validation"), ("test", "test")):
                 if name in evaluators:
                     losses = evaluators[name].evaluate()

@@ -1,0 +1,242 @@
+"""What a training checkpoint holds, gathered from and restored into a live run.
+
+- model: every parameter as pieces of layout-free logical tensors (`layout_free`), written by
+  data-parallel rank 0 of each model-parallel rank;
+- optimizer: Adam's moments (SGD's momentum) and, in bf16/fp16, the fp32 masters, per
+  parameter in the same global shapes; with the distributed optimizer each data-parallel rank
+  writes the part it owns, otherwise data-parallel rank 0 writes it all;
+- common (one copy): iteration, consumed samples, the LR schedule's clock (samples of
+  successful updates), the optimizer's step count, the loss scaler, how many evaluations each
+  split has run, the run's arguments and layout;
+- random state of every rank (python, numpy, torch, CUDA, the TP stream): restored only at the
+  same layout. Dropout masks depend on (seed, sample, layer, site) alone, so a resumed run is
+  exact at any layout without them.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from megapipe.checkpointing.layout_free import OPTIMIZER_STATES, model_shards, optimizer_shards
+from megapipe.checkpointing.shards import ShardedState, TensorShard
+from megapipe.distributed.optimizer import ShardedOptimizer
+from megapipe.parallel.random import RNGTracker
+from megapipe.parallel.state import ParallelState
+
+CHECKPOINT_VERSION = 3.0  # Megatron-LM's current checkpoint_version
+
+
+@dataclass
+class Progress:
+    """Where training stands: what the loop needs to continue exactly."""
+
+    iteration: int = 0
+    consumed_samples: int = 0  # samples read (the data position)
+    scheduled_samples: int = 0  # samples of successful updates (the LR schedule's clock)
+    evaluations: dict[str, int] | None = None  # evaluations run per split (their data position)
+
+    def as_dict(self) -> dict:
+        return {
+            "iteration": self.iteration,
+            "consumed_train_samples": self.consumed_samples,
+            "scheduled_samples": self.scheduled_samples,
+            "evaluations": dict(self.evaluations or {}),
+        }
+
+    @classmethod
+    def from_dict(cls, common: dict) -> Progress:
+        return cls(
+            int(common["iteration"]),
+            int(common["consumed_train_samples"]),
+            int(common["scheduled_samples"]),
+            {k: int(v) for k, v in common.get("evaluations", {}).items()},
+        )
+
+
+def layout_of(state: ParallelState, virtual_stages: int) -> dict[str, int]:
+    return {
+        "world_size": state.world_size,
+        "tensor_model_parallel_size": state.tp.size,
+        "pipeline_model_parallel_size": state.pp.size,
+        "virtual_pipeline_model_parallel_size": virtual_stages,
+    }
+
+
+def _named_params(chunks: Sequence[torch.nn.Module]) -> list[tuple[str, torch.nn.Parameter]]:
+    return [item for chunk in chunks for item in chunk.named_parameters()]
+
+
+def _names(chunks: Sequence[torch.nn.Module]) -> dict[int, str]:
+    return {id(p): n for n, p in _named_params(chunks)}
+
+
+def _optimizer_pieces(optimizer: ShardedOptimizer, names: dict[int, str]) -> list[tuple]:
+    pieces = []
+    for piece, master in zip(optimizer.pieces, optimizer.masters):
+        state = optimizer.inner.state.get(master, {})
+        moments = {k: state[k] for k in OPTIMIZER_STATES if k in state}
+        lo = piece.lo - piece.param.buffer_offset
+        pieces.append((names[id(piece.param)], piece.param, lo, master, moments))
+    return pieces
+
+
+def _writes_optimizer(optimizer: ShardedOptimizer, state: ParallelState) -> bool:
+    return optimizer.sharded or state.dp.rank == 0
+
+
+def ensure_optimizer_state(optimizer: ShardedOptimizer) -> None:
+    """Create the optimizer's per-master state (zeros) as its first step would, so a loaded
+    checkpoint has tensors to fill. A no-op once the optimizer has stepped."""
+    inner = optimizer.inner
+    fused = bool(inner.defaults.get("fused"))
+    for master in optimizer.masters:
+        state = inner.state[master]
+        if state:
+            continue
+        if isinstance(inner, torch.optim.AdamW):
+            device = master.device if fused else torch.device("cpu")
+            state["step"] = torch.zeros((), dtype=torch.float32, device=device)
+            state["exp_avg"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+        elif inner.defaults.get("momentum", 0) != 0:
+            state["momentum_buffer"] = torch.zeros_like(master)
+
+
+def optimizer_step_count(optimizer: ShardedOptimizer) -> int:
+    for master in optimizer.masters:
+        step = optimizer.inner.state.get(master, {}).get("step")
+        if step is not None:
+            return int(step)
+    return 0
+
+
+def _set_step_count(optimizer: ShardedOptimizer, count: int) -> None:
+    for master in optimizer.masters:
+        step = optimizer.inner.state.get(master, {}).get("step")
+        if step is not None:
+            step.fill_(float(count))
+
+
+def rng_key(rank: int, what: str) -> str:
+    return f"rng_state.rank_{rank:05d}.{what}"
+
+
+def _rng_tensors(tracker: RNGTracker, device: torch.device) -> dict[str, torch.Tensor]:
+    version, internal, gauss = random.getstate()
+    np_state = np.random.get_state()
+    tensors = {
+        "python": torch.tensor([version, *internal, -1 if gauss is None else 0], dtype=torch.int64),
+        "python_gauss": torch.tensor([0.0 if gauss is None else gauss], dtype=torch.float64),
+        "numpy": torch.from_numpy(np.asarray(np_state[1], dtype=np.int64)),
+        "numpy_pos": torch.tensor([np_state[2], np_state[3]], dtype=torch.int64),
+        "numpy_gauss": torch.tensor([np_state[4]], dtype=torch.float64),
+        "torch_cpu": torch.get_rng_state(),
+    }
+    tracked = tracker.state_dict()
+    tensors["tracker_default"] = tracked["default"].clone()
+    tensors["tracker_tensor_parallel"] = tracked["tensor_parallel"].clone()
+    del device
+    return tensors
+
+
+def rng_shards(tracker: RNGTracker, state: ParallelState) -> ShardedState:
+    """This rank's random states, each a whole tensor under a rank-specific name."""
+    return {
+        rng_key(state.rank, what): [TensorShard(t, (0,) * t.dim(), tuple(t.shape))]
+        for what, t in _rng_tensors(tracker, state.device).items()
+    }
+
+
+def restore_rng(loaded: dict[str, torch.Tensor], tracker: RNGTracker, rank: int) -> None:
+    """Put back the random states `rng_shards` saved for `rank` (read into `loaded`)."""
+    python = loaded[rng_key(rank, "python")].tolist()
+    gauss_flag = python[-1]
+    gauss = None if gauss_flag == -1 else float(loaded[rng_key(rank, "python_gauss")][0])
+    random.setstate((python[0], tuple(python[1:-1]), gauss))
+    pos, has_gauss = loaded[rng_key(rank, "numpy_pos")].tolist()
+    np.random.set_state(
+        (
+            "MT19937",
+            loaded[rng_key(rank, "numpy")].numpy().astype(np.uint32),
+            pos,
+            has_gauss,
+            float(loaded[rng_key(rank, "numpy_gauss")][0]),
+        )
+    )
+    torch.set_rng_state(loaded[rng_key(rank, "torch_cpu")])
+    tracker.load_state_dict(
+        {
+            "default": loaded[rng_key(rank, "tracker_default")],
+            "tensor_parallel": loaded[rng_key(rank, "tracker_tensor_parallel")],
+        }
+    )
+
+
+def rng_destinations(tracker: RNGTracker, state: ParallelState) -> ShardedState:
+    """Empty tensors of the right shapes to read this rank's saved random states into."""
+    return {
+        key: [TensorShard(torch.empty_like(s.tensor), s.offsets, s.global_shape) for s in shards]
+        for key, shards in rng_shards(tracker, state).items()
+    }
+
+
+def state_to_save(
+    chunks: Sequence[torch.nn.Module],
+    optimizer: ShardedOptimizer | None,
+    state: ParallelState,
+    num_layers: int,
+) -> ShardedState:
+    """The model (and optimizer) pieces this rank writes."""
+    shards: ShardedState = {}
+    tp_rank, tp_size = state.tp.rank, state.tp.size
+    if state.dp.rank == 0:
+        shards.update(model_shards(_named_params(chunks), tp_rank, tp_size, num_layers))
+    if optimizer is not None and _writes_optimizer(optimizer, state):
+        for key, pieces in optimizer_shards(
+            _optimizer_pieces(optimizer, _names(chunks)),
+            tp_rank,
+            tp_size,
+            num_layers,
+            include_masters=optimizer.has_separate_masters,
+        ).items():
+            shards.setdefault(key, []).extend(pieces)
+    return shards
+
+
+def state_to_load(
+    chunks: Sequence[torch.nn.Module],
+    optimizer: ShardedOptimizer | None,
+    state: ParallelState,
+    num_layers: int,
+) -> ShardedState:
+    """Every piece this rank must fill: its parameters (replicas and mirrors included) and,
+    unless `optimizer` is None, the optimizer state of the part of them it optimizes."""
+    tp_rank, tp_size = state.tp.rank, state.tp.size
+    shards = model_shards(_named_params(chunks), tp_rank, tp_size, num_layers, loading=True)
+    if optimizer is not None:
+        ensure_optimizer_state(optimizer)
+        for key, pieces in optimizer_shards(
+            _optimizer_pieces(optimizer, _names(chunks)),
+            tp_rank,
+            tp_size,
+            num_layers,
+            include_masters=optimizer.has_separate_masters,
+            loading=True,
+        ).items():
+            shards.setdefault(key, []).extend(pieces)
+    return shards
+
+
+def after_load(optimizer: ShardedOptimizer, step_count: int | None, masters_loaded: bool) -> None:
+    """Make the optimizer consistent with freshly loaded weights: masters from the weights when
+    the checkpoint had none for them, and the step count Adam's bias correction needs."""
+    if optimizer.has_separate_masters and not masters_loaded:
+        for master, piece in zip(optimizer.masters, optimizer.pieces):
+            master.copy_(piece.buffer.param_data[piece.lo : piece.hi])
+    if step_count is not None:
+        _set_step_count(optimizer, step_count)
