@@ -205,6 +205,7 @@ class CheckpointConfig:
     no_load_rng: bool = False
     finetune: bool = False  # load the weights only; iteration and data restart at 0
     exit_on_missing_checkpoint: bool = False
+    async_save: bool = False  # write in a background thread; at most one save in flight
 
 
 @dataclass(frozen=True)

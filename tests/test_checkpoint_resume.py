@@ -65,6 +65,16 @@ def test_resume_is_exact(world: int, layout: list[str], tmp_path: Path) -> None:
     assert after == {i: v for i, v in printed(whole_out).items() if i > 3}
 
 
+def test_async_save_resumes_exactly_and_is_complete_before_exit(tmp_path: Path) -> None:
+    flags = MODEL + MOCK + NO_DROPOUT + ["--pipeline-model-parallel-size", "2", "--async-save"]
+    whole, _, resumed, _ = stop_and_resume(2, flags, tmp_path / "ckpt")
+    assert [(r.lm_loss, r.grad_norm) for r in resumed] == [
+        (r.lm_loss, r.grad_norm) for r in whole
+    ]
+    # the last save (at the end) was finished and published before the run returned
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
+
+
 def test_resume_with_fp16_keeps_the_loss_scaler(tmp_path: Path) -> None:
     flags = MODEL + MOCK + NO_DROPOUT + ["--fp16", "--initial-loss-scale", "4096",
                                          "--num-layers", "2", "--hidden-size", "16"]  # fmt: skip

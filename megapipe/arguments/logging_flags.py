@@ -105,6 +105,12 @@ def add_checkpoint_args(group: argparse._ArgumentGroup) -> None:
         "position start afresh.",
     )
     add(
+        "--async-save",
+        action="store_true",
+        help="Write checkpoints in a background thread while training continues (at most "
+        "one save in flight; training waits only to copy its state).",
+    )
+    add(
         "--exit-on-missing-checkpoint",
         action="store_true",
         help="With --load: exit with an error if there is no checkpoint, instead of starting "

@@ -67,7 +67,6 @@ NO_EFFECT_FLAGS: tuple[NoEffectFlag, ...] = (
     NoEffectFlag("--num-workers", "batches are read in the training process", 1),
     NoEffectFlag("--dataloader-type", "samples are read in order", 1, ("single",)),
     NoEffectFlag("--manual-gc", "Python's garbage collector runs as usual"),
-    NoEffectFlag("--async-save", "checkpoints are written synchronously"),
     NoEffectFlag("--timing-log-level", "the log line always shows the iteration time", 1, ("0",)),
 )
 

@@ -11,10 +11,12 @@ the layout.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Sequence
 
 import torch
 
+from megapipe.checkpointing.async_save import AsyncSaver
 from megapipe.checkpointing.errors import CheckpointError
 from megapipe.checkpointing.run_state import (
     CHECKPOINT_VERSION,
@@ -85,13 +87,22 @@ class Checkpointer:
         self.checkpoint = configs.checkpoint
         self.num_layers = configs.model.num_layers
         self.layout = layout_of(state, configs.parallel.virtual_pipeline_model_parallel_size)
+        self.saver: AsyncSaver | None = None
+        if self.checkpoint.async_save and self.checkpoint.save is not None:
+            # its own group: the background thread's collectives must not interleave with
+            # the training thread's (collective: every rank builds the Checkpointer)
+            group = torch.distributed.new_group() if state.world_size > 1 else None
+            self.saver = AsyncSaver(group)
 
     # --- saving ---------------------------------------------------------------------------
 
-    def save(self, progress: Progress) -> str:
-        """Write SAVE/iter_N and then point the tracker at it (collective). Returns the path."""
+    def save(self, progress: Progress) -> tuple[str, float]:
+        """Write SAVE/iter_N and then point the tracker at it (collective). Returns the path
+        and the seconds training was held up (with --async-save: staging only, the writing
+        goes on in the background)."""
         checkpoint = self.checkpoint
         assert checkpoint.save is not None
+        start = time.perf_counter()
         optimizer = None if checkpoint.no_save_optim else self.optimizer
         shards = state_to_save(self.chunks, optimizer, self.state, self.num_layers)
         if not checkpoint.no_save_rng:
@@ -109,12 +120,24 @@ class Checkpointer:
         }
         directory = iteration_dir(checkpoint.save, progress.iteration)
         coordinator = self.state.rank == 0
+
+        def point_tracker() -> None:
+            if coordinator:
+                write_tracker(checkpoint.save, progress.iteration)
+
+        if self.saver is not None:
+            self.saver.save(directory, shards, common, coordinator=coordinator, then=point_tracker)
+            return directory, time.perf_counter() - start
         save_sharded(directory, shards, common, group=self.state.world.pg, coordinator=coordinator)
-        if coordinator:
-            write_tracker(checkpoint.save, progress.iteration)
+        point_tracker()
         if self.state.world_size > 1:
             torch.distributed.barrier(group=self.state.world.pg)
-        return directory
+        return directory, time.perf_counter() - start
+
+    def finish(self) -> None:
+        """Wait for a save still in flight (--async-save); raise its error if it failed."""
+        if self.saver is not None:
+            self.saver.wait()
 
     # --- loading --------------------------------------------------------------------------
 

@@ -176,12 +176,12 @@ def save_checkpoint(checkpoints: Checkpointer, state: ParallelState, progress: P
     """Megatron's two lines around a save (collective)."""
     save = checkpoints.checkpoint.save
     print_rank_0(state, f"saving checkpoint at iteration {progress.iteration:7d} to {save}")
-    start = time.perf_counter()
-    directory = checkpoints.save(progress)
+    directory, held_up = checkpoints.save(progress)
+    how = "started writing (in the background)" if checkpoints.saver else "successfully saved"
     print_rank_0(
         state,
-        f"  successfully saved checkpoint from iteration {progress.iteration:7d} to {directory} "
-        f"in {time.perf_counter() - start:.2f} s",
+        f"  {how} checkpoint from iteration {progress.iteration:7d} to {directory}; "
+        f"training held up {held_up:.2f} s",
     )
 
 
@@ -320,6 +320,7 @@ def train(configs: Configs, state: ParallelState) -> list[StepResult]:
     finally:
         exit_check.close()
         reporter.close()
+        checkpoints.finish()
     if trace is not None and results:  # collective: only when every rank got here
         gather_and_write(trace, trace_path, state.pp.ranks, _trace_metadata(configs, state))
         print_rank_0(state, f"pipeline trace written to {trace_path}")
