@@ -68,9 +68,7 @@ def test_resume_is_exact(world: int, layout: list[str], tmp_path: Path) -> None:
 def test_async_save_resumes_exactly_and_is_complete_before_exit(tmp_path: Path) -> None:
     flags = MODEL + MOCK + NO_DROPOUT + ["--pipeline-model-parallel-size", "2", "--async-save"]
     whole, _, resumed, _ = stop_and_resume(2, flags, tmp_path / "ckpt")
-    assert [(r.lm_loss, r.grad_norm) for r in resumed] == [
-        (r.lm_loss, r.grad_norm) for r in whole
-    ]
+    assert [(r.lm_loss, r.grad_norm) for r in resumed] == [(r.lm_loss, r.grad_norm) for r in whole]
     # the last save (at the end) was finished and published before the run returned
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
 
@@ -159,3 +157,33 @@ def test_load_errors_are_one_line(tmp_path: Path) -> None:
         "tensor embedding.word_embeddings.weight has global shape (100, 32) in the checkpoint, "
         "(100, 64) in this model" in str(error.value)
     )
+
+
+def test_a_corrupt_checkpoint_stops_every_rank_with_one_line(tmp_path: Path) -> None:
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    flags = MODEL + MOCK + NO_DROPOUT + ["--pipeline-model-parallel-size", "2"]
+    save = tmp_path / "ckpt"
+    run(2, flags + ["--save", str(save), "--exit-interval", "2"])
+    shard = next((save / "iter_0000002").glob("__1_*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x40  # one flipped bit
+    shard.write_bytes(bytes(data))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = Path(__file__).resolve().parents[1]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+               "--master_addr", "127.0.0.1", "--master_port", str(port),
+               str(root / "pretrain_gpt.py"), *flags, "--load", str(save)]  # fmt: skip
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=180, cwd=root,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert done.returncode != 0
+    errors = [line for line in done.stderr.splitlines() if "pretrain_gpt.py: error:" in line]
+    assert len(errors) == 2, done.stderr[-3000:]  # one line from each rank, nobody hangs
+    assert all(shard.name in line and "(corrupted)" in line for line in errors), errors

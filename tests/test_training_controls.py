@@ -159,12 +159,15 @@ def _children(pid: int) -> list[int]:
         return [int(p) for p in file.read().split()]
 
 
-def test_sigterm_to_one_rank_stops_every_rank_at_the_same_iteration_with_status_0() -> None:
+def test_sigterm_to_one_rank_stops_every_rank_at_the_same_iteration_with_status_0(
+    tmp_path: Path,
+) -> None:
+    save = tmp_path / "ckpt"
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
         "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
         str(ROOT / "pretrain_gpt.py"), *BASE, "--train-iters", "100000",
-        "--pipeline-model-parallel-size", "2", "--exit-signal-handler",
+        "--pipeline-model-parallel-size", "2", "--exit-signal-handler", "--save", str(save),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     agent = subprocess.Popen(
@@ -189,6 +192,8 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_iteration_with_status_
     assert stopped is not None, stdout[-2000:]
     last_logged = int(logged(stdout)[-1].group(1))
     assert last_logged == int(stopped.group(1))  # the last rank finished that iteration too
+    # and the run was saved there before exiting, as Megatron does
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == stopped.group(1)
 
 
 # --- throughput, memory, TensorBoard ---------------------------------------------------------
