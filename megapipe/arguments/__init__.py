@@ -239,11 +239,10 @@ def checkpoint_notes(checkpoint: CheckpointConfig) -> list[str]:
     --exit-on-missing-checkpoint; a named iteration that does not exist is an error."""
     from megapipe.checkpointing.checkpointer import checkpoint_to_load
 
-    if checkpoint.ckpt_format != "torch_dist":
+    if checkpoint.ckpt_format not in ("torch_dist", "torch"):
         raise ConfigError(
-            f"--ckpt-format {checkpoint.ckpt_format!r}: megapipe writes torch_dist (layout-free, "
-            "loadable at any TP/PP/DP); Megatron's legacy per-rank 'torch' layout is not "
-            "supported yet"
+            f"--ckpt-format {checkpoint.ckpt_format!r}: choose torch_dist (layout-free, "
+            "loadable at any TP/PP/DP) or torch (Megatron's legacy per-rank layout)"
         )
     if checkpoint.save_interval is not None and checkpoint.save_interval <= 0:
         raise ConfigError(f"--save-interval must be positive, got {checkpoint.save_interval}")

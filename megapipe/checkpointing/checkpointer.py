@@ -100,6 +100,10 @@ class Checkpointer:
         """Write SAVE/iter_N and then point the tracker at it (collective). Returns the path
         and the seconds training was held up (with --async-save: staging only, the writing
         goes on in the background)."""
+        if self.checkpoint.ckpt_format == "torch":  # Megatron's legacy layout (synchronous)
+            from megapipe.checkpointing import legacy_torch
+
+            return legacy_torch.save(self, progress)
         checkpoint = self.checkpoint
         assert checkpoint.save is not None
         start = time.perf_counter()
@@ -144,6 +148,10 @@ class Checkpointer:
     def load(self) -> tuple[Progress | None, list[str]]:
         """Load what --load names into the live run; (progress to continue from, or None to
         start from scratch; notes for the user)."""
+        from megapipe.checkpointing import legacy_torch
+
+        if legacy_torch.wanted(self.checkpoint):  # by what is on disk
+            return legacy_torch.load(self)
         checkpoint = self.checkpoint
         iteration = checkpoint_to_load(checkpoint)
         if iteration is None:

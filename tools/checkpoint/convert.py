@@ -1,0 +1,70 @@
+"""Rewrite a megapipe checkpoint for another tensor/pipeline layout and format (Megatron's
+`tools/checkpoint/convert.py` flags). Model weights only: the optimizer state is dropped.
+
+    python tools/checkpoint/convert.py --model-type GPT --loader megapipe --saver megapipe \\
+        --load-dir A --save-dir B --target-tensor-parallel-size 2 \\
+        --target-pipeline-model-parallel-size 4 [--target-ckpt-format torch|torch_dist]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from megapipe.checkpointing.convert import convert  # noqa: E402
+from megapipe.checkpointing.errors import CheckpointError  # noqa: E402
+from megapipe.errors import ConfigError  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tools/checkpoint/convert.py",
+        description="Convert a megapipe checkpoint (torch_dist or Megatron's legacy torch layout, "
+        "any TP/PP) to another TP/PP layout and format, in one process. MODEL WEIGHTS ONLY, as "
+        "Megatron's converter: the optimizer and random states are dropped (continue with "
+        "--no-load-optim); the iteration and sample counts are kept.",
+    )
+    parser.add_argument("--model-type", required=True, choices=["GPT"])
+    parser.add_argument("--loader", default="megapipe", choices=["megapipe"])
+    parser.add_argument("--saver", default="megapipe", choices=["megapipe"])
+    parser.add_argument(
+        "--load-dir", required=True, help="Checkpoint directory to read (its tracker's iteration)."
+    )
+    parser.add_argument(
+        "--save-dir", required=True, help="Directory to write the converted checkpoint to."
+    )
+    parser.add_argument("--target-tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--target-pipeline-model-parallel-size", type=int, default=1)
+    parser.add_argument(
+        "--target-ckpt-format",
+        default="torch_dist",
+        choices=["torch_dist", "torch"],
+        help="torch_dist (layout-free) or torch (Megatron's legacy per-rank files). "
+        "Default: torch_dist.",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        convert(
+            args.load_dir,
+            args.save_dir,
+            args.target_tensor_parallel_size,
+            args.target_pipeline_model_parallel_size,
+            args.target_ckpt_format,
+        )
+    except (CheckpointError, ConfigError) as error:
+        print(f"convert.py: error: {error}", file=sys.stderr)
+        return 2
+    print("note: model weights only; the optimizer state was dropped (load with --no-load-optim)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
