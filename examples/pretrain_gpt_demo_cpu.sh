@@ -27,6 +27,9 @@ OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node "$NPROC" pretrain_gpt.p
     --data-path "$RUN_DIR/corpus_text_document" --split 98,2,0 \
     --tokenizer-type GPTSentencePieceTokenizer --tokenizer-model "$RUN_DIR/tok.model" \
     --data-cache-path "$RUN_DIR/cache" \
-    --eval-interval 20 --eval-iters 2 --log-throughput --tensorboard-dir "$RUN_DIR/tensorboard" "$@"
+    --eval-interval 20 --eval-iters 2 --log-throughput --tensorboard-dir "$RUN_DIR/tensorboard" \
+    --save "$RUN_DIR/checkpoints" --save-interval 20 "$@"
 
 echo "view the TensorBoard logs with: tensorboard --logdir $RUN_DIR/tensorboard"
+echo "checkpoints in $RUN_DIR/checkpoints: continue with this script and" \
+    "--load $RUN_DIR/checkpoints --train-iters 80 (at any layout, e.g. NPROC=4 ... --tensor-model-parallel-size 2)"

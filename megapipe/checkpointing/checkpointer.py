@@ -71,6 +71,16 @@ def checkpoint_to_load(checkpoint: CheckpointConfig) -> int | None:
     return iteration
 
 
+def describe(layout: dict | None) -> str:
+    """`TP2 x PP2 (2 virtual stages) over 8 ranks` for a saved layout record."""
+    if not layout:
+        return "an unknown layout"
+    text = f"TP{layout['tensor_model_parallel_size']} x PP{layout['pipeline_model_parallel_size']}"
+    if layout.get("virtual_pipeline_model_parallel_size", 1) > 1:
+        text += f" ({layout['virtual_pipeline_model_parallel_size']} virtual stages)"
+    return text + f" over {layout['world_size']} ranks"
+
+
 class Checkpointer:
     """Saves and loads one run's model, optimizer, scaler, progress and random states."""
 
@@ -175,9 +185,9 @@ class Checkpointer:
         with_rng = not (weights_only or checkpoint.no_load_rng) and common.get("has_rng", False)
         if with_rng and not same_layout:
             notes.append(
-                f"random states not restored: saved at {common.get('layout')}, loading at "
-                f"{self.layout} (dropout masks depend on the samples only, so training is "
-                "unaffected)"
+                f"random states not restored: saved at {describe(common.get('layout'))}, "
+                f"loading at {describe(self.layout)} (dropout masks depend on the samples "
+                "only, so training is unaffected)"
             )
             with_rng = False
         rng = rng_destinations(self.rng, self.state) if with_rng else {}
