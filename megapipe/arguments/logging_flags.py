@@ -91,7 +91,9 @@ def add_checkpoint_args(group: argparse._ArgumentGroup) -> None:
         "--ckpt-format",
         default="torch_dist",
         help="torch_dist: layout-free sharded checkpoints on torch.distributed.checkpoint, "
-        "loadable at any TP/PP/DP layout. Default: torch_dist.",
+        "loadable at any TP/PP/DP layout; torch: Megatron's legacy per-rank layout "
+        "(iter_N/mp_rank_TT_PPP/model_optim_rng.pt), loadable at the same layout or after "
+        "tools/checkpoint/convert.py. Default: torch_dist.",
     )
     add("--ckpt-step", type=int, default=None, help="Load this iteration instead of the latest.")
     add("--no-save-optim", action="store_true", help="Do not save the optimizer state.")
