@@ -126,7 +126,7 @@ def rng_key(rank: int, what: str) -> str:
     return f"rng_state.rank_{rank:05d}.{what}"
 
 
-def _rng_tensors(tracker: RNGTracker, device: torch.device) -> dict[str, torch.Tensor]:
+def _rng_tensors(tracker: RNGTracker) -> dict[str, torch.Tensor]:
     version, internal, gauss = random.getstate()
     np_state = np.random.get_state()
     tensors = {
@@ -140,7 +140,6 @@ def _rng_tensors(tracker: RNGTracker, device: torch.device) -> dict[str, torch.T
     tracked = tracker.state_dict()
     tensors["tracker_default"] = tracked["default"].clone()
     tensors["tracker_tensor_parallel"] = tracked["tensor_parallel"].clone()
-    del device
     return tensors
 
 
@@ -148,7 +147,7 @@ def rng_shards(tracker: RNGTracker, state: ParallelState) -> ShardedState:
     """This rank's random states, each a whole tensor under a rank-specific name."""
     return {
         rng_key(state.rank, what): [TensorShard(t, (0,) * t.dim(), tuple(t.shape))]
-        for what, t in _rng_tensors(tracker, state.device).items()
+        for what, t in _rng_tensors(tracker).items()
     }
 
 
@@ -197,15 +196,29 @@ def state_to_save(
     if state.dp.rank == 0:
         shards.update(model_shards(_named_params(chunks), tp_rank, tp_size, num_layers))
     if optimizer is not None and _writes_optimizer(optimizer, state):
-        for key, pieces in optimizer_shards(
-            _optimizer_pieces(optimizer, _names(chunks)),
-            tp_rank,
-            tp_size,
-            num_layers,
-            include_masters=optimizer.has_separate_masters,
-        ).items():
-            shards.setdefault(key, []).extend(pieces)
+        _add_optimizer(shards, chunks, optimizer, state, num_layers, loading=False)
     return shards
+
+
+def _add_optimizer(
+    shards: ShardedState,
+    chunks: Sequence[torch.nn.Module],
+    optimizer: ShardedOptimizer,
+    state: ParallelState,
+    num_layers: int,
+    *,
+    loading: bool,
+) -> None:
+    pieces = optimizer_shards(
+        _optimizer_pieces(optimizer, _names(chunks)),
+        state.tp.rank,
+        state.tp.size,
+        num_layers,
+        include_masters=optimizer.has_separate_masters,
+        loading=loading,
+    )
+    for key, found in pieces.items():
+        shards.setdefault(key, []).extend(found)
 
 
 def state_to_load(
@@ -220,15 +233,7 @@ def state_to_load(
     shards = model_shards(_named_params(chunks), tp_rank, tp_size, num_layers, loading=True)
     if optimizer is not None:
         ensure_optimizer_state(optimizer)
-        for key, pieces in optimizer_shards(
-            _optimizer_pieces(optimizer, _names(chunks)),
-            tp_rank,
-            tp_size,
-            num_layers,
-            include_masters=optimizer.has_separate_masters,
-            loading=True,
-        ).items():
-            shards.setdefault(key, []).extend(pieces)
+        _add_optimizer(shards, chunks, optimizer, state, num_layers, loading=True)
     return shards
 
 
