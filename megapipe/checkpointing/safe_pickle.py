@@ -38,6 +38,12 @@ _ALLOWED: frozenset[tuple[str, str]] = frozenset(
     }
     | {
         ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    }
+    | {  # Metadata.all_local_plans, which Megatron-Core's torch_dist writer fills
+        ("torch.distributed.checkpoint.planner", name)
+        for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")
+    }
+    | {
         ("torch.serialization", "_get_layout"),  # looks a name up among torch's layouts only
         ("torch", "Size"),
         ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id
