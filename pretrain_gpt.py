@@ -32,6 +32,13 @@ def _world_size() -> int:
         raise ConfigError(f"environment variable WORLD_SIZE={value!r} is not an integer") from None
 
 
+def _say(line: str) -> None:
+    """One line to stderr in a single write: ranks sharing a pipe (torchrun) never interleave
+    their lines, as print's separate writes of the text and the newline can."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one rank of the job; returns the process exit status."""
     try:
@@ -40,11 +47,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             warnings.simplefilter("ignore")  # reported below, once, from rank 0
             configs = parse_args(argv, world_size)
     except ConfigError as error:
-        print(f"{PROG}: error: {error}", file=sys.stderr, flush=True)
+        _say(f"{PROG}: error: {error}")
         return 2
     if os.environ.get("RANK", "0") == "0":
         for note in configs.warnings:
-            print(f"{PROG}: warning: {note}", file=sys.stderr, flush=True)
+            _say(f"{PROG}: warning: {note}")
 
     parallel = configs.parallel
     device = initialize_distributed(
@@ -56,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         train(configs, state)
     except (NonFiniteLossError, DataError, CheckpointError) as error:
-        print(f"{PROG}: error: {error}", file=sys.stderr, flush=True)
+        _say(f"{PROG}: error: {error}")
         return 1
     finally:
         dist.destroy_process_group()
