@@ -30,6 +30,7 @@ import torch
 
 from megapipe.atomic_files import fsync_path
 from megapipe.checkpointing import atomic_dir
+from megapipe.checkpointing.agreement import agree, attempt, gather
 from megapipe.checkpointing.errors import CheckpointError
 from megapipe.checkpointing.run_state import (
     CHECKPOINT_VERSION,
@@ -38,7 +39,6 @@ from megapipe.checkpointing.run_state import (
     restore_rng,
     rng_shards,
 )
-from megapipe.checkpointing.torch_dist import _agree, _attempt, _gather
 from megapipe.checkpointing.tracker import iteration_dir, write_tracker
 
 if TYPE_CHECKING:
@@ -210,21 +210,21 @@ def save(checkpointer: Checkpointer, progress: Progress) -> tuple[str, float]:
     group = state.world.pg
     coordinator = state.rank == 0
     temp, error = (
-        _attempt(lambda: start_directory(directory), directory)
+        attempt(lambda: start_directory(directory), directory)
         if coordinator
         else (
             None,
             None,
         )
     )
-    offers = _gather((temp, error), group)
-    _agree(offers[0][1], group)
+    offers = gather((temp, error), group)
+    agree(offers[0][1], group)
     temp = offers[0][0]
     assert temp is not None
     rng = {}
     if not checkpoint.no_save_rng:
         rng = {k: v[0].tensor for k, v in rng_shards(checkpointer.rng, state).items()}
-    rng_list = _gather(rng, state.dp.pg) if state.dp.size > 1 else [rng]
+    rng_list = gather(rng, state.dp.pg) if state.dp.size > 1 else [rng]
     with_optimizer = not checkpoint.no_save_optim
     sharded = checkpointer.optimizer.sharded
     sub = mp_rank_name(state.tp.rank, state.pp.rank, state.pp.size)
@@ -244,9 +244,9 @@ def save(checkpointer: Checkpointer, progress: Progress) -> tuple[str, float]:
             names.append(MODEL_FILE)
         return atomic_dir.fsync_and_digest(path, names)
 
-    mine, error = _attempt(write, directory)
-    digests = _gather((sub, mine, error), group)
-    _agree(next((e for _, _, e in digests if e), None), group)
+    mine, error = attempt(write, directory)
+    digests = gather((sub, mine, error), group)
+    agree(next((e for _, _, e in digests if e), None), group)
 
     def finish() -> None:
         tables: dict[str, dict[str, dict]] = {}
@@ -255,10 +255,10 @@ def save(checkpointer: Checkpointer, progress: Progress) -> tuple[str, float]:
         finish_directory(temp, directory, tables)
         write_tracker(checkpoint.save, progress.iteration)
 
-    _, error = _attempt(finish, directory) if coordinator else (None, None)
+    _, error = attempt(finish, directory) if coordinator else (None, None)
     if error and coordinator:
         shutil.rmtree(temp, ignore_errors=True)
-    _agree(error, group)
+    agree(error, group)
     return directory, time.perf_counter() - start
 
 
@@ -392,8 +392,8 @@ def load(checkpointer: Checkpointer) -> tuple[Progress | None, list[str]]:
             load_chunk_state(chunk, data[key], f"{sub}/{MODEL_FILE} [{key}]")
         return data
 
-    data, error = _attempt(read, directory)
-    _agree(error, group)
+    data, error = attempt(read, directory)
+    agree(error, group)
     assert data is not None
     with_optimizer = want_optimizer and data.get("has_optimizer", False)
     if want_optimizer and not with_optimizer:
@@ -420,8 +420,8 @@ def load(checkpointer: Checkpointer) -> tuple[Progress | None, list[str]]:
         if with_rng:
             restore_rng(data["rng_state"][state.dp.rank], checkpointer.rng, state.rank)
 
-    _, error = _attempt(restore, directory)
-    _agree(error, group)
+    _, error = attempt(restore, directory)
+    agree(error, group)
     if weights_only:
         return Progress(0, 0, 0, {}), notes
     return Progress.from_dict(data["opt_param_scheduler"]), notes

@@ -19,7 +19,7 @@ import os
 import shutil
 import warnings
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from megapipe.checkpointing import atomic_dir
+from megapipe.checkpointing.agreement import agree, attempt, gather, one_line
 from megapipe.checkpointing.dcp_planners import ShardLoadPlanner, ShardSavePlanner, read_items
 from megapipe.checkpointing.errors import CheckpointError
 from megapipe.checkpointing.safe_pickle import SafeFileSystemReader, load_dcp_metadata
@@ -49,39 +50,6 @@ DtypeConversions = dict[str, tuple[torch.dtype, torch.dtype]]  # name -> (checkp
 # --- agreement over the group -------------------------------------------------------------
 
 
-def _gather(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
-    if group is None:
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
-
-
-def _message(exc: BaseException, where: str) -> str:
-    if isinstance(exc, CheckpointError):
-        return str(exc)
-    failures = getattr(exc, "failures", None)  # DCP's CheckpointException: per-rank errors
-    if failures:
-        return _message(failures[min(failures)][0], where)
-    return (
-        f"checkpoint {where}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-    )
-
-
-def _attempt(fn: Callable[[], T], where: str) -> tuple[T | None, str | None]:
-    try:
-        return fn(), None
-    except Exception as e:  # every failure becomes a message the group agrees on
-        return None, _message(e, where)
-
-
-def _agree(error: str | None, group: dist.ProcessGroup | None) -> None:
-    """Raise the lowest failing rank's error on every rank (one collective)."""
-    first = next((e for e in _gather(error, group) if e), None)
-    if first is not None:
-        raise CheckpointError(first)
-
-
 def _dcp_call(fn: Callable[[], T], where: str) -> T:
     """Run a DCP collective; its CheckpointException (a BaseException, multi-line) reaches
     every rank alike and becomes one line."""
@@ -92,7 +60,7 @@ def _dcp_call(fn: Callable[[], T], where: str) -> T:
         except CheckpointError:
             raise
         except (Exception, dcp.CheckpointException) as e:
-            raise CheckpointError(_message(e, where)) from None
+            raise CheckpointError(one_line(e, where)) from None
 
 
 # --- save ---------------------------------------------------------------------------------
@@ -142,9 +110,9 @@ def save_sharded(
         os.mkdir(temp)
         return temp, common_data
 
-    prepared, error = _attempt(prepare, directory) if coordinator else (None, None)
-    offers = _gather((coordinator, prepared[0] if prepared else None, error), group)
-    _agree(next((e for _, _, e in offers if e), None), group)
+    prepared, error = attempt(prepare, directory) if coordinator else (None, None)
+    offers = gather((coordinator, prepared[0] if prepared else None, error), group)
+    agree(next((e for _, _, e in offers if e), None), group)
     coordinators = [r for r, (c, _, _) in enumerate(offers) if c]
     if len(coordinators) != 1:
         if prepared is not None:
@@ -169,14 +137,14 @@ def save_sharded(
             directory,
         )
         # Each rank fsyncs and hashes its own files; the coordinator adds its own and publishes.
-        mine, error = _attempt(
+        mine, error = attempt(
             lambda: atomic_dir.fsync_and_digest(
                 temp, sorted(n for n in os.listdir(temp) if n.startswith(f"__{rank}_"))
             ),
             directory,
         )
-        digests = _gather((mine, error), group)
-        _agree(next((e for _, e in digests if e), None), group)
+        digests = gather((mine, error), group)
+        agree(next((e for _, e in digests if e), None), group)
 
         def finish() -> None:
             assert prepared is not None
@@ -190,8 +158,8 @@ def save_sharded(
             atomic_dir.write_checksums(temp, table)
             atomic_dir.publish(temp, directory)
 
-        _, error = _attempt(finish, directory) if coordinator else (None, None)
-        _agree(error, group)  # also the barrier: nobody returns before `directory` is in place
+        _, error = attempt(finish, directory) if coordinator else (None, None)
+        agree(error, group)  # also the barrier: nobody returns before `directory` is in place
     except BaseException:
         if coordinator:
             shutil.rmtree(temp, ignore_errors=True)
@@ -301,8 +269,8 @@ def load_sharded(
     split it was saved with. Collective over `group` (each rank asks for its own pieces).
     Returns the tensors whose dtype was converted: name -> (checkpoint dtype, model dtype)."""
     directory = os.path.abspath(directory)
-    planned, error = _attempt(lambda: _plan_load(directory, shards, require_checksums), directory)
-    _agree(error, group)
+    planned, error = attempt(lambda: _plan_load(directory, shards, require_checksums), directory)
+    agree(error, group)
     assert planned is not None
     items, conversions = planned
     _dcp_call(
