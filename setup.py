@@ -16,6 +16,7 @@ setup(
         "sentencepiece>=0.1.99",
         "tensorboard>=2.12",
         "tqdm>=4.60",
+        "safetensors>=0.4",  # Hugging Face export/import (tools/checkpoint/convert.py --saver hf)
     ],
     extras_require={
         # tokenizers: HuggingFaceTokenizer at run time; in dev, the oracle the GPT-2 BPE is
@@ -32,6 +33,9 @@ setup(
             # checkpoint interchange with Megatron-Core (tests only; its writer needs psutil)
             "megatron-core==0.16.1",
             "psutil>=5",
+            # Hugging Face export/import tests load the exported models (tests only)
+            "transformers>=4.56",
+            "safetensors>=0.4",
         ],
         "hf": ["tokenizers>=0.15"],
     },

@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from megapipe.checkpointing.convert import convert  # noqa: E402
 from megapipe.checkpointing.errors import CheckpointError  # noqa: E402
+from megapipe.checkpointing.hf_export import export_hf, import_hf  # noqa: E402
 from megapipe.errors import ConfigError  # noqa: E402
 
 
@@ -29,8 +30,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-load-optim); the iteration and sample counts are kept.",
     )
     parser.add_argument("--model-type", required=True, choices=["GPT"])
-    parser.add_argument("--loader", default="megapipe", choices=["megapipe"])
-    parser.add_argument("--saver", default="megapipe", choices=["megapipe"])
+    parser.add_argument(
+        "--loader",
+        default="megapipe",
+        choices=["megapipe", "hf"],
+        help="hf: --load-dir is a transformers GPT-2 or Llama directory (config.json + "
+        "safetensors), written as a megapipe checkpoint at the target layout (iteration 0).",
+    )
+    parser.add_argument(
+        "--saver",
+        default="megapipe",
+        choices=["megapipe", "hf"],
+        help="hf: write a transformers directory (config.json + model.safetensors) that "
+        "AutoModelForCausalLM.from_pretrained loads (GPT2LMHeadModel or LlamaForCausalLM).",
+    )
     parser.add_argument(
         "--load-dir", required=True, help="Checkpoint directory to read (its tracker's iteration)."
     )
@@ -51,7 +64,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.loader == "hf" and args.saver == "hf":
+        print("convert.py: error: --loader hf with --saver hf: nothing to convert", file=sys.stderr)
+        return 2
     try:
+        if args.saver == "hf":
+            export_hf(args.load_dir, args.save_dir)
+            return 0
+        if args.loader == "hf":
+            import_hf(
+                args.load_dir,
+                args.save_dir,
+                args.target_tensor_parallel_size,
+                args.target_pipeline_model_parallel_size,
+                args.target_ckpt_format,
+            )
+            return 0
         convert(
             args.load_dir,
             args.save_dir,
