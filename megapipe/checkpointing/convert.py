@@ -277,6 +277,14 @@ def convert(load_dir: str, save_dir: str, tp: int, pp: int, fmt: str, say: Say =
     directory, iteration = resolve(load_dir)
     say(f" reading {directory} (model weights only: the optimizer state is dropped)")
     source = read_source(directory, say)
+    return write_source(source, save_dir, tp, pp, fmt, iteration, say)
+
+
+def write_source(
+    source: Source, save_dir: str, tp: int, pp: int, fmt: str, iteration: int = 0, say: Say = print
+) -> str:
+    """Write the full tensors of `source` as a megapipe checkpoint at TP x PP in format `fmt`
+    (model weights only), then point `save_dir`'s tracker at it."""
     ranges = check_target(source.config, tp, pp)
     args = target_args(source.args, tp, pp, fmt)
     layout = {

@@ -24,24 +24,9 @@ from dataclasses import fields
 
 import torch
 
-from megapipe.checkpointing.convert import (
-    Say,
-    Source,
-    _fill,
-    _named,
-    _write_legacy,
-    build_rank,
-    check_target,
-    read_source,
-    resolve,
-    target_args,
-)
+from megapipe.checkpointing.convert import Say, Source, read_source, resolve, write_source
 from megapipe.checkpointing.errors import CheckpointError
-from megapipe.checkpointing.layout_free import model_shards
-from megapipe.checkpointing.run_state import CHECKPOINT_VERSION, Progress
-from megapipe.checkpointing.shards import ShardedState
-from megapipe.checkpointing.torch_dist import save_sharded
-from megapipe.checkpointing.tracker import iteration_dir, write_tracker
+from megapipe.checkpointing.run_state import Progress
 from megapipe.config import ModelConfig
 from megapipe.errors import ConfigError
 
@@ -432,47 +417,6 @@ def read_hf(directory: str) -> Source:
             f"vocab_size {config.vocab_size} x hidden {config.hidden_size}"
         )
     return Source(directory, "hf", tensors, config_args(config), Progress(), config)
-
-
-def write_source(
-    source: Source, save_dir: str, tp: int, pp: int, fmt: str, iteration: int = 0, say: Say = print
-) -> str:
-    """Write `source` as a megapipe checkpoint at TP x PP (convert's writing path)."""
-    ranges = check_target(source.config, tp, pp)
-    args = target_args(source.args, tp, pp, fmt)
-    layout = {
-        "world_size": tp * pp,
-        "tensor_model_parallel_size": tp,
-        "pipeline_model_parallel_size": pp,
-        "virtual_pipeline_model_parallel_size": 1,
-    }
-    target = os.path.abspath(iteration_dir(save_dir, iteration))
-    if fmt == "torch_dist":
-        shards: ShardedState = {}
-        for p in range(pp):
-            for t in range(tp):
-                chunks = build_rank(source.config, t, tp, p, [ranges[p]], pp)
-                _fill(chunks, source, t, tp)
-                for name, pieces in model_shards(
-                    _named(chunks), t, tp, source.config.num_layers
-                ).items():
-                    shards.setdefault(name, []).extend(pieces)
-        common = {
-            "checkpoint_version": CHECKPOINT_VERSION,
-            **source.progress.as_dict(),
-            "optimizer_step": 0,
-            "has_optimizer": False,
-            "has_rng": False,
-            "loss_scaler": {},
-            "layout": layout,
-            "args": args,
-        }
-        save_sharded(target, shards, common, group=None, coordinator=True)
-    else:
-        _write_legacy(source, target, tp, pp, ranges, args, layout, say)
-    write_tracker(save_dir, iteration)
-    say(f" wrote {target} (TP {tp} x PP {pp}, {fmt}); tracker at iteration {iteration}")
-    return target
 
 
 def import_hf(
