@@ -19,7 +19,7 @@ FROM nvcr.io/nvidia/pytorch:25.12-py3
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
 RUN python -c "import torch; print(torch.__version__)" > /opt/torch-version-of-base-image \
  && pip install --constraint /etc/pip/constraint.txt \
-        "numpy>=1.24" "sentencepiece>=0.1.99" "tensorboard>=2.12" "tqdm>=4.60"
+        "numpy>=1.24" "sentencepiece>=0.1.99" "tensorboard>=2.12" "tqdm>=4.60" "safetensors>=0.4"
 
 # A non-root user. Ubuntu 24.04 images ship a user "ubuntu" with uid 1000: it is replaced, so
 # that USER_UID (1000 unless given, e.g. --build-arg USER_UID=$(id -u)) can own files on /data.
