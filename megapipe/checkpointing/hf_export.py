@@ -26,6 +26,7 @@ import torch
 
 from megapipe.checkpointing.convert import Say, Source, read_source, resolve, write_source
 from megapipe.checkpointing.errors import CheckpointError
+from megapipe.checkpointing.hf_tokenizer import write_tokenizer_files
 from megapipe.checkpointing.run_state import Progress
 from megapipe.config import ModelConfig
 from megapipe.errors import ConfigError
@@ -217,6 +218,7 @@ def export_source(source: Source, save_dir: str, say: Say = print) -> str:
         json.dump(hf, f, indent=2)
     save_file(tensors, os.path.join(save_dir, WEIGHTS), metadata={"format": "pt"})
     say(f" wrote {save_dir} ({hf['architectures'][0]}, {len(tensors)} tensors)")
+    write_tokenizer_files(source.args, save_dir, say)
     return save_dir
 
 

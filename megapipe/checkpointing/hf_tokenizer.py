@@ -1,0 +1,82 @@
+"""The tokenizer files of an exported Hugging Face directory, so `AutoTokenizer` loads the run's
+tokenizer beside its model.
+
+From the checkpoint's saved arguments: GPT-2 BPE (`--vocab-file`/`--merge-file`; also what
+megapipe infers when no `--tokenizer-type` is given) becomes `vocab.json` + `merges.txt` with a
+`GPT2Tokenizer` config; a Hugging Face `tokenizer.json` (`--tokenizer-model`, a file or a
+directory) is copied as it is. SentencePiece models are not written yet: transformers' Llama
+tokenizer adds a BOS and handles the leading space its own way, so the ids would not be the
+run's; the export says so instead of writing files that tokenize differently.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import shutil
+from collections.abc import Callable
+
+EOD_TOKEN = "<|endoftext|>"
+
+
+def _arg(args: dict[str, str], name: str) -> object:
+    text = args.get(name)
+    if text is None:
+        return None
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def _copy(source: str, save_dir: str, name: str) -> None:
+    shutil.copyfile(source, os.path.join(save_dir, name))
+
+
+def write_tokenizer_files(
+    args: dict[str, str], save_dir: str, say: Callable[[str], None] = print
+) -> str | None:
+    """Write the run's tokenizer into `save_dir`; returns its transformers class name, or None
+    (with a line saying why) when there is nothing that transformers would read the same way."""
+    kind = _arg(args, "tokenizer_type")
+    vocab, merges, model = (_arg(args, n) for n in ("vocab_file", "merge_file", "tokenizer_model"))
+    if kind is None and vocab and merges:
+        kind = "GPT2BPETokenizer"
+    missing = [p for p in (vocab, merges, model) if isinstance(p, str) and not os.path.exists(p)]
+    if kind is None or kind == "NullTokenizer":
+        say(" no tokenizer files written: the run had no tokenizer (mock data or NullTokenizer)")
+        return None
+    if missing:
+        say(f" no tokenizer files written: {', '.join(missing)} no longer exist")
+        return None
+    if kind == "GPT2BPETokenizer":
+        _copy(vocab, save_dir, "vocab.json")
+        _copy(merges, save_dir, "merges.txt")
+        with open(vocab, encoding="utf-8") as file:
+            has_eod = EOD_TOKEN in json.load(file)
+        special = {name: EOD_TOKEN for name in ("bos_token", "eos_token", "unk_token")}
+        config = {"tokenizer_class": "GPT2Tokenizer", **(special if has_eod else {})}
+        cls = "GPT2Tokenizer"
+    elif kind == "HuggingFaceTokenizer":
+        path = os.path.join(model, "tokenizer.json") if os.path.isdir(model) else model
+        _copy(path, save_dir, "tokenizer.json")
+        if os.path.isdir(model):
+            for extra in ("tokenizer_config.json", "special_tokens_map.json"):
+                if os.path.exists(os.path.join(model, extra)):
+                    _copy(os.path.join(model, extra), save_dir, extra)
+            if os.path.exists(os.path.join(model, "tokenizer_config.json")):
+                say(f" wrote the tokenizer files of {model}")
+                return "PreTrainedTokenizerFast"
+        config = {"tokenizer_class": "PreTrainedTokenizerFast"}
+        cls = "PreTrainedTokenizerFast"
+    else:
+        say(
+            f" no tokenizer files written: --tokenizer-type {kind} has no transformers tokenizer "
+            "that gives the same ids (SentencePiece export is not supported yet)"
+        )
+        return None
+    with open(os.path.join(save_dir, "tokenizer_config.json"), "w", encoding="utf-8") as file:
+        json.dump(config, file, indent=2)
+    say(f" wrote {cls} files ({kind})")
+    return cls
