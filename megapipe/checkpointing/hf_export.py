@@ -130,21 +130,19 @@ def _llama_tensors(t: dict[str, torch.Tensor], config: ModelConfig) -> dict[str,
         p = f"model.layers.{i}."
         out[p + "input_layernorm.weight"] = t[LN1][i]
         out[p + "post_attention_layernorm.weight"] = t[LN2][i]
-        q, k, v = _split_qkv(t[QKV][i], config)
-        out[p + "self_attn.q_proj.weight"], out[p + "self_attn.k_proj.weight"] = q, k
-        out[p + "self_attn.v_proj.weight"] = v
-        out[p + "self_attn.o_proj.weight"] = t[PROJ][i]
-        gate, up = t[FC1][i].chunk(2)
-        out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = gate, up
-        out[p + "mlp.down_proj.weight"] = t[FC2][i]
-        if bias:
-            q, k, v = _split_qkv(t[QKV_B][i], config)
-            out[p + "self_attn.q_proj.bias"], out[p + "self_attn.k_proj.bias"] = q, k
-            out[p + "self_attn.v_proj.bias"] = v
-            out[p + "self_attn.o_proj.bias"] = t[PROJ_B][i]
-            gate, up = t[FC1_B][i].chunk(2)
-            out[p + "mlp.gate_proj.bias"], out[p + "mlp.up_proj.bias"] = gate, up
-            out[p + "mlp.down_proj.bias"] = t[FC2_B][i]
+        for kind, (qkv, proj, fc1, fc2) in {
+            "weight": (QKV, PROJ, FC1, FC2),
+            "bias": (QKV_B, PROJ_B, FC1_B, FC2_B),
+        }.items():
+            if kind == "bias" and not bias:
+                continue
+            q, k, v = _split_qkv(t[qkv][i], config)
+            out[f"{p}self_attn.q_proj.{kind}"], out[f"{p}self_attn.k_proj.{kind}"] = q, k
+            out[f"{p}self_attn.v_proj.{kind}"] = v
+            out[f"{p}self_attn.o_proj.{kind}"] = t[proj][i]
+            gate, up = t[fc1][i].chunk(2)
+            out[f"{p}mlp.gate_proj.{kind}"], out[f"{p}mlp.up_proj.{kind}"] = gate, up
+            out[f"{p}mlp.down_proj.{kind}"] = t[fc2][i]
     return out
 
 

@@ -12,7 +12,6 @@ definition), known on every rank.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
@@ -69,8 +68,3 @@ class Evaluator:
             for chunk in self.chunks:
                 chunk.train()
         return {LOSS_NAME: total / self.eval_iters}
-
-
-def perplexity(loss: float) -> float:
-    """Megatron's PPL: exp of the loss, capped at exp(20) so a diverged run prints a number."""
-    return math.exp(min(20.0, loss))

@@ -73,6 +73,11 @@ def iteration_line(
     return line
 
 
+def perplexity(loss: float) -> float:
+    """Megatron's PPL: exp of the loss, capped at exp(20) so a diverged run prints a number."""
+    return math.exp(min(20.0, loss))
+
+
 def validation_line(prefix: str, losses: Mapping[str, float]) -> str:
     """Megatron's evaluation result: ` validation loss at {prefix} | lm loss value: ... | `.
 
@@ -82,7 +87,7 @@ def validation_line(prefix: str, losses: Mapping[str, float]) -> str:
     line = f" validation loss at {prefix} | "
     for name, value in losses.items():
         line += f"{name} value: {value:.6E} | "
-        line += f"{name} PPL: {math.exp(min(20.0, value)):.6E} | "
+        line += f"{name} PPL: {perplexity(value):.6E} | "
     return line
 
 

@@ -16,13 +16,13 @@ Megatron's scalar names and rules, kept so that users' dashboards and scripts ca
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from types import TracebackType
 
 from torch.utils.tensorboard import SummaryWriter
 
 from megapipe.parallel.state import ParallelState
+from megapipe.training.log_format import perplexity
 
 
 class TrainingTensorBoard:
@@ -116,7 +116,7 @@ class TrainingTensorBoard:
         for name, value in losses.items():
             self._pair(f"{name} validation", value, iteration, consumed_samples)
             if self.log_validation_ppl:
-                ppl = math.exp(min(20.0, value))
+                ppl = perplexity(value)
                 self._pair(f"{name} validation ppl", ppl, iteration, consumed_samples)
 
     def flush(self) -> None:
