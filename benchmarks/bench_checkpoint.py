@@ -43,7 +43,14 @@ def _run(world: int, flags: list[str]) -> tuple[list, str]:
 
 
 def _bytes_per_file(directory: str) -> dict[str, int]:
-    return {name: os.path.getsize(os.path.join(directory, name)) for name in os.listdir(directory)}
+    """Every file under `directory` (relative path -> bytes)."""
+    return {
+        os.path.relpath(os.path.join(root, name), directory): os.path.getsize(
+            os.path.join(root, name)
+        )
+        for root, _, names in os.walk(directory)
+        for name in names
+    }
 
 
 def main() -> dict:
@@ -53,19 +60,23 @@ def main() -> dict:
     work = tempfile.mkdtemp(prefix="megapipe-bench-ckpt-")
     report: dict = {"model": "demo (4 layers, hidden 128, seq 64, vocab 4000)"}
 
-    # save and load time, bytes per rank: PP=2 on 2 ranks, as the demo runs
-    save = os.path.join(work, "pp2")
+    # save and load time, bytes per rank: PP=2 on 2 ranks, as the demo runs, in both formats
     flags = DEMO + ["--pipeline-model-parallel-size", "2", "--train-iters", "4"]
-    _, out = _run(2, flags + ["--save", save, "--save-interval", "2", "--exit-interval", "2"])
-    _, load_out = _run(2, flags + ["--load", save, "--exit-interval", "3", "--train-iters", "3"])
-    files = _bytes_per_file(os.path.join(save, "iter_0000002"))
-    report["save_s"] = float(SAVED.findall(out)[0])
-    report["load_s"] = float(LOADED.findall(load_out)[0])
-    report["files"] = files
-    print(f"demo model, PP=2 on 2 CPU ranks: save {report['save_s']:.2f} s, "
-          f"load {report['load_s']:.2f} s")  # fmt: skip
-    for name, size in sorted(files.items()):
-        print(f"  {name:24s} {size:12,d} bytes")
+    report["formats"] = {}
+    for fmt in ("torch_dist", "torch"):
+        save = os.path.join(work, f"pp2-{fmt}")
+        ckpt = ["--ckpt-format", fmt]
+        _, out = _run(2, flags + ckpt + ["--save", save, "--save-interval", "2",
+                                         "--exit-interval", "2"])  # fmt: skip
+        _, load_out = _run(2, flags + ckpt + ["--load", save, "--exit-interval", "3"])
+        files = _bytes_per_file(os.path.join(save, "iter_0000002"))
+        entry = {"save_s": float(SAVED.findall(out)[0]),
+                 "load_s": float(LOADED.findall(load_out)[0]), "files": files}  # fmt: skip
+        report["formats"][fmt] = entry
+        print(f"demo model, PP=2 on 2 CPU ranks, {fmt}: save {entry['save_s']:.2f} s, "
+              f"load {entry['load_s']:.2f} s")  # fmt: skip
+        for name, size in sorted(files.items()):
+            print(f"  {name:44s} {size:12,d} bytes")
 
     # resharding matrix: save at TP2 x PP2 x DP2 after 3 iterations, continue 3 more elsewhere
     world, layout = LAYOUTS["tp2-pp2-dp2"]
