@@ -26,10 +26,11 @@ class ComplexRotary(torch.nn.Module):
         super().__init__()
         self.head_dim, self.base = head_dim, base
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
         s, half = x.shape[0], self.head_dim // 2
         freq = [self.base ** (-2 * i / self.head_dim) for i in range(half)]
-        angles = torch.tensor([[p * f for f in freq] for p in range(s)], dtype=torch.float64)
+        positions = range(offset, offset + s)
+        angles = torch.tensor([[p * f for f in freq] for p in positions], dtype=torch.float64)
         turn = torch.polar(torch.ones_like(angles), angles)[:, None, None, :]
         z = torch.complex(x[..., :half].double(), x[..., half:].double()) * turn
         return torch.cat([z.real, z.imag], dim=-1).to(x.dtype)
@@ -47,6 +48,16 @@ def test_rotary_past_its_first_table_size_equals_the_complex_rotation() -> None:
     x = torch.randn(20, 1, 2, 8, dtype=torch.float64)
     torch.testing.assert_close(rotary(x), ComplexRotary(8, 10000)(x), rtol=1e-6, atol=1e-6)
     assert rotary.cos.shape[0] == 20
+
+
+def test_rotary_at_an_offset_turns_by_the_positions_after_it() -> None:
+    """A generation step after a KV cache rotates its tokens as positions offset.. ."""
+    rotary = RotaryEmbedding(head_dim=8, max_positions=8, base=10000)
+    x = torch.randn(3, 1, 2, 8, dtype=torch.float64)
+    got = rotary(x, offset=9)  # past the first table too
+    torch.testing.assert_close(got, ComplexRotary(8, 10000)(x, offset=9), rtol=1e-6, atol=1e-6)
+    whole = rotary(torch.cat([torch.randn(9, 1, 2, 8, dtype=torch.float64), x]))
+    torch.testing.assert_close(got, whole[9:], rtol=1e-12, atol=1e-12)
 
 
 def test_rope_model_with_seq_length_above_max_position_embeddings_uses_reference_rope() -> None:

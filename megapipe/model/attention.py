@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from megapipe.config import ModelConfig
+from megapipe.inference.kv_cache import KVCache
 from megapipe.layers.linear import ColumnParallelLinear, RowParallelLinear
 from megapipe.model.dropout import LogicalDropout
 from megapipe.model.rotary import RotaryEmbedding
@@ -74,23 +75,35 @@ class SelfAttention(torch.nn.Module):
         rotary: RotaryEmbedding | None,
         attention_mask: torch.Tensor | None = None,
         dropout_masks: LogicalDropout | None = None,
+        kv_cache: KVCache | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """attention_mask: None for plain causal attention, else [b, 1, s, s] bool, True where
         a query may attend a key (--reset-attention-mask: causal within each document).
 
         dropout_masks: layout-invariant masks for this micro-batch; without them, training
         dropout draws from the rank's tensor-parallel stream inside SDPA (not layout-invariant).
+
+        kv_cache: generation. x holds the tokens at positions kv_cache.offset..; their keys and
+        values join the cache and the queries attend over every cached position (causally).
         """
         qkv, _ = self.linear_qkv(x)
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.local_groups, self.queries_per_group + 2, self.head_dim)
         q = qkv[:, :, :, : self.queries_per_group].reshape(s, b, self.local_heads, self.head_dim)
         k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]
+        offset = kv_cache.offset if kv_cache is not None else 0
         if rotary is not None:
-            q, k = rotary(q), rotary(k)
+            q, k = rotary(q, offset), rotary(k, offset)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         dropout = self.dropout if self.training else 0.0
         scale = 1.0 / math.sqrt(self.head_dim)
+        causal = attention_mask is None
+        if kv_cache is not None:
+            k, v = kv_cache.update(self.layer_number, k, v)
+            if offset > 0:  # SDPA's is_causal aligns top-left; new queries sit bottom-right
+                causal = False
+                if s > 1 and attention_mask is None:
+                    attention_mask = cached_causal_mask(s, offset, q.device)
         if dropout > 0 and dropout_masks is not None:
             layer = self.layer_number
             out = explicit_attention(
@@ -109,12 +122,17 @@ class SelfAttention(torch.nn.Module):
                     v,
                     attn_mask=attention_mask,
                     dropout_p=dropout,
-                    is_causal=attention_mask is None,
+                    is_causal=causal,
                     scale=scale,
                     enable_gqa=self.local_groups != self.local_heads,
                 )
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim)
         return self.linear_proj(out)
+
+
+def cached_causal_mask(s: int, offset: int, device: torch.device) -> torch.Tensor:
+    """[s, offset + s] bool: query i (position offset + i) may attend keys 0..offset + i."""
+    return torch.ones(s, offset + s, dtype=torch.bool, device=device).tril(offset)
 
 
 def explicit_attention(

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from megapipe.config import ModelConfig
+from megapipe.inference.kv_cache import KVCache
 from megapipe.layers.cross_entropy import vocab_parallel_cross_entropy
 from megapipe.layers.embedding import VocabParallelEmbedding, vocab_range
 from megapipe.layers.linear import ColumnParallelLinear
@@ -127,12 +128,13 @@ class Decoder(torch.nn.Module):
         rotary: RotaryEmbedding | None,
         attention_mask: torch.Tensor | None = None,
         dropout_masks: LogicalDropout | None = None,
+        kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
         # Without dropout_masks, dropout draws from the rank's streams: under SP every
         # activation is a per-rank shard, so all of it draws from the TP stream.
         with self.rng.fork() if self.sequence_parallel else contextlib.nullcontext():
             for layer in self.layers.values():
-                x = layer(x, rotary, attention_mask, dropout_masks)
+                x = layer(x, rotary, attention_mask, dropout_masks, kv_cache)
         if self.final_layernorm is not None:
             x = self.final_layernorm(x)
         return x
@@ -216,6 +218,7 @@ class GPTModel(torch.nn.Module):
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         sample_ids: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
         """First stage: `tokens` [b, s]; later stages: `hidden_states` [s, b, h].
 
@@ -227,15 +230,23 @@ class GPTModel(torch.nn.Module):
         same whatever the TP/PP/DP layout; without them dropout draws from the rank's random
         streams (parallel/random.py). Ignored in eval mode and when both dropouts are 0.
 
+        kv_cache: generation (megapipe/inference). The tokens sit at positions
+        kv_cache.offset..; this stage's layers add their keys and values to the cache and
+        attend over all of it. The caller advances the cache once the step is done.
+
         Returns hidden states [s, b, h] before the last stage; on the last stage the
         vocabulary-parallel logits [s, b, vocab/tp], or the per-token loss [b, s] when
         `labels` [b, s] are given. Logits of padding ids (>= vocab_size) are returned as
         computed but never enter the loss; samplers must ignore them too.
         """
         masks = self._dropout_masks(sample_ids)
+        if kv_cache is not None and position_ids is None and self.pre_process:
+            start = kv_cache.offset
+            position_ids = torch.arange(start, start + tokens.shape[1], device=tokens.device)
+            position_ids = position_ids.expand(tokens.shape[0], -1)
         if self.pre_process:
             hidden_states = self.embedding(tokens, position_ids, masks)
-        x = self.decoder(hidden_states, self.rotary, attention_mask, masks)
+        x = self.decoder(hidden_states, self.rotary, attention_mask, masks, kv_cache)
         if not self.post_process:
             return x
         logits, _ = self.output_layer(x)

@@ -27,11 +27,12 @@ class RotaryEmbedding(torch.nn.Module):
         angles = torch.cat([angles, angles], dim=-1)[:, None, None, :]
         return angles.cos().float().to(device), angles.sin().float().to(device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Rotate x of shape [s, b, heads, head_dim] by the angles of positions 0..s-1."""
-        s = x.shape[0]
-        if s > self.cos.shape[0]:
-            self.cos, self.sin = self._tables(s, self.cos.device)
-        cos, sin = self.cos[:s].to(x.dtype), self.sin[:s].to(x.dtype)
+    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """Rotate x of shape [s, b, heads, head_dim] by the angles of positions
+        offset..offset+s-1 (offset > 0: the new tokens of a generation step after a KV cache)."""
+        end = offset + x.shape[0]
+        if end > self.cos.shape[0]:
+            self.cos, self.sin = self._tables(end, self.cos.device)
+        cos, sin = self.cos[offset:end].to(x.dtype), self.sin[offset:end].to(x.dtype)
         first, second = x.chunk(2, dim=-1)
         return x * cos + torch.cat([-second, first], dim=-1) * sin

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from megapipe.config import ModelConfig
+from megapipe.inference.kv_cache import KVCache
 from megapipe.layers.norms import build_norm
 from megapipe.model.attention import SelfAttention
 from megapipe.model.dropout import LogicalDropout
@@ -75,6 +76,7 @@ class TransformerLayer(torch.nn.Module):
         rotary: RotaryEmbedding | None = None,
         attention_mask: torch.Tensor | None = None,
         dropout_masks: LogicalDropout | None = None,
+        kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
         p = self.hidden_dropout
         drop_attention = drop_mlp = None
@@ -83,7 +85,7 @@ class TransformerLayer(torch.nn.Module):
             drop_attention = partial(drop, site="attention_output")
             drop_mlp = partial(drop, site="mlp_output")
         out, bias = self.self_attention(
-            self.input_layernorm(x), rotary, attention_mask, dropout_masks
+            self.input_layernorm(x), rotary, attention_mask, dropout_masks, kv_cache
         )
         x = bias_dropout_add(out, bias, x, p, self.training, drop_attention)
         out, bias = self.mlp(self.pre_mlp_layernorm(x))

@@ -1,0 +1,147 @@
+"""What the generation tools share: their flags, and a loaded model with its tokenizer.
+
+`tools/generate_text.py` and `tools/run_text_generation_server.py` take Megatron's flags for the
+checkpoint (`--load`, `--ckpt-step`), the layout (`--tensor-model-parallel-size`,
+`--pipeline-model-parallel-size`), precision (`--bf16`, `--fp16`) and the tokenizer
+(`--tokenizer-type` and friends). The tokenizer flags default to those the checkpoint was
+trained with, so `--load DIR` alone is enough. A run without a tokenizer (mock data) reads and
+writes token ids, space-separated, as Megatron's NullTokenizer, and never stops at an EOD.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from megapipe.data.errors import TokenizerError
+from megapipe.data.tokenizers.base import TOKENIZER_TYPES, Tokenizer, TokenizerSpec
+from megapipe.data.tokenizers.factory import build_tokenizer
+from megapipe.data.tokenizers.null_tokenizer import NullTokenizer
+from megapipe.inference.generation import GenerationError
+from megapipe.inference.loading import InferenceModel, load_inference_model
+from megapipe.inference.sampling import SamplingOptions
+from megapipe.parallel import ParallelState, initialize_distributed
+
+TOKENIZER_FLAGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size")
+
+
+def add_model_flags(parser: argparse.ArgumentParser) -> None:
+    """--load, layout, precision and tokenizer flags (Megatron's names)."""
+    group = parser.add_argument_group("model")
+    group.add_argument("--load", required=True, help="Checkpoint directory (as for training).")
+    group.add_argument("--ckpt-step", type=int, help="Iteration to load instead of the latest.")
+    group.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    group.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    precision = group.add_mutually_exclusive_group()
+    precision.add_argument("--bf16", action="store_true", help="Compute in bf16.")
+    precision.add_argument("--fp16", action="store_true", help="Compute in fp16.")
+    group.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None)
+    tokenizer = parser.add_argument_group("tokenizer (default: the checkpoint's)")
+    tokenizer.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES)
+    tokenizer.add_argument("--tokenizer-model")
+    tokenizer.add_argument("--vocab-file")
+    tokenizer.add_argument("--merge-file")
+    tokenizer.add_argument("--vocab-size", type=int, help="NullTokenizer's vocabulary size.")
+
+
+def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
+    """--greedy, --temperature, --top-k, --top-p, --seed."""
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--greedy", action="store_true", help="Always take the likeliest token.")
+    group.add_argument("--temperature", type=float, default=1.0)
+    group.add_argument("--top-k", type=int, default=0, help="Sample from the k likeliest.")
+    group.add_argument("--top-p", type=float, default=0.0, help="Nucleus sampling (0: off).")
+    group.add_argument("--seed", type=int, default=1234, help="Seed of the sampling stream.")
+
+
+def sampling_options(args: argparse.Namespace) -> SamplingOptions:
+    """The sampling flags as options; GenerationError naming the flag that is out of range."""
+    options = SamplingOptions(args.greedy, args.temperature, args.top_k, args.top_p)
+    problems = options.problems()
+    if problems:
+        raise GenerationError(problems[0])
+    return options
+
+
+@dataclass
+class Session:
+    """A loaded model on this rank with the tokenizer to talk to it."""
+
+    model: InferenceModel
+    tokenizer: Tokenizer
+    eod: int | None  # None: never stop early
+
+    @property
+    def state(self) -> ParallelState:
+        return self.model.state
+
+    def tokenize(self, text: str, what: str = "prompt") -> list[int]:
+        try:
+            return self.tokenizer.tokenize(text)
+        except TokenizerError as error:
+            raise GenerationError(f"{what} {text[:40]!r}: {error}") from None
+
+
+def _saved(args: dict[str, str], name: str) -> object:
+    text = args.get(name)
+    try:
+        return None if text is None else ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def build_session_tokenizer(
+    args: argparse.Namespace, model: InferenceModel
+) -> tuple[Tokenizer, int | None]:
+    """The tokenizer the flags name, else the checkpoint's; and the EOD id to stop at."""
+    given = {name: getattr(args, name) for name in TOKENIZER_FLAGS}
+    if not any(value is not None for value in given.values()):
+        given = {name: _saved(model.args, name) for name in TOKENIZER_FLAGS}
+    kind = given["tokenizer_type"]
+    if kind is None and given["vocab_file"] and given["merge_file"]:
+        kind = "GPT2BPETokenizer"
+    vocab = model.config.vocab_size
+    if kind is None:  # trained without a tokenizer: token ids in, token ids out
+        return NullTokenizer(vocab), None
+    spec = TokenizerSpec(kind, given["tokenizer_model"], given["vocab_file"],
+                         given["merge_file"], given["vocab_size"])  # fmt: skip
+    tokenizer = build_tokenizer(spec)
+    if tokenizer.vocab_size > vocab:
+        raise GenerationError(
+            f"--tokenizer-type {kind}: its {tokenizer.vocab_size} ids do not fit the model's "
+            f"vocabulary of {vocab}"
+        )
+    try:
+        eod = tokenizer.eod
+    except TokenizerError:
+        eod = None
+    return tokenizer, eod if eod is not None and 0 <= eod < vocab else None
+
+
+def start_session(args: argparse.Namespace) -> Session:
+    """Join the process group (torchrun's, or a one-rank one), build the layout's groups and
+    load the model (collective)."""
+    device = initialize_distributed(args.distributed_backend)
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    world = torch.distributed.get_world_size()
+    if tp < 1 or pp < 1 or world != tp * pp:
+        raise GenerationError(
+            f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} must "
+            f"equal the number of ranks ({world})"
+        )
+    state = ParallelState.build(tp, pp, device)
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+    say = print_once if state.rank == 0 else (lambda _: None)
+    model = load_inference_model(args.load, state, ckpt_step=args.ckpt_step, dtype=dtype, say=say)
+    tokenizer, eod = build_session_tokenizer(args, model)
+    return Session(model, tokenizer, eod)
+
+
+def print_once(line: str) -> None:
+    """A line to stderr in one write (ranks sharing torchrun's pipe never interleave)."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
