@@ -49,6 +49,7 @@ class ModelConfig:
     normalization: str = "LayerNorm"
     layernorm_epsilon: float = 1e-5
     swiglu: bool = False
+    openai_gelu: bool = False  # GPT-2's tanh-approximated GeLU instead of the exact erf one
     untie_embeddings_and_output_weights: bool = False
     add_bias_linear: bool = True
     make_vocab_size_divisible_by: int = 128

@@ -3,8 +3,9 @@
 `PlainGPT` is written with torch.nn modules only (no megapipe imports, no parallelism): token
 (+ learned position) embeddings, pre-norm blocks (LayerNorm or RMSNorm; fused QKV in Megatron's
 per-query-group layout; causal scaled_dot_product_attention, optionally GQA and rotary in the
-rotate-half form; GeLU or SwiGLU MLP), a final norm, an output layer tied to the word embedding
-or not, and cross-entropy. Activations are [s, b, h] as in megapipe.
+rotate-half form; GeLU (exact, or GPT-2's tanh approximation) or SwiGLU MLP), a final norm, an
+output layer tied to the word embedding or not, and cross-entropy. Activations are [s, b, h] as
+in megapipe.
 
 `reference_from_megapipe` builds the plain model for a single-rank megapipe `GPTModel` and
 copies its weights in by name, so both start from the same point: a test can then train the
@@ -58,12 +59,13 @@ class PlainBlock(nn.Module):
         rope_base: float | None = None,
         rmsnorm: bool = False,
         swiglu: bool = False,
+        openai_gelu: bool = False,
         bias: bool = True,
     ) -> None:
         super().__init__()
         self.heads, self.head_dim, self.dropout = heads, hidden // heads, dropout
         self.groups = query_groups or heads
-        self.rope_base, self.swiglu = rope_base, swiglu
+        self.rope_base, self.swiglu, self.openai_gelu = rope_base, swiglu, openai_gelu
         ffn_hidden = ffn_hidden or 4 * hidden
         self.ln1 = _norm(rmsnorm, hidden, eps)
         # Output features grouped per query group: [q_0 .. q_{k-1}, k, v] (Megatron's layout).
@@ -92,6 +94,8 @@ class PlainBlock(nn.Module):
         if self.swiglu:
             gate, up = y.chunk(2, dim=-1)
             y = F.silu(gate) * up
+        elif self.openai_gelu:  # written out, not F.gelu(approximate="tanh"): a reference
+            y = 0.5 * y * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (y + 0.044715 * y**3)))
         else:
             y = F.gelu(y)
         return x + F.dropout(self.fc2(y), p, self.training)
@@ -120,6 +124,7 @@ class PlainGPT(nn.Module):
         rope_base: float | None = None,
         rmsnorm: bool = False,
         swiglu: bool = False,
+        openai_gelu: bool = False,
         tied: bool = True,
         bias: bool = True,
     ) -> None:
@@ -133,6 +138,7 @@ class PlainGPT(nn.Module):
             rope_base=rope_base,
             rmsnorm=rmsnorm,
             swiglu=swiglu,
+            openai_gelu=openai_gelu,
             bias=bias,
         )
         self.blocks = nn.ModuleList(
@@ -247,6 +253,7 @@ def reference_from_megapipe(model: GPTModel) -> PlainGPT:
         rope_base=config.rotary_base if config.position_embedding_type == "rope" else None,
         rmsnorm=config.normalization == "RMSNorm",
         swiglu=config.swiglu,
+        openai_gelu=config.openai_gelu,
         tied=not config.untie_embeddings_and_output_weights,
         bias=config.add_bias_linear,
     )

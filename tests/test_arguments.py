@@ -266,7 +266,7 @@ def test_defaults_match_megatron() -> None:
     assert model.make_vocab_size_divisible_by == 128
     assert model.init_method_std == 0.02
     assert model.attention_dropout == 0.1 and model.hidden_dropout == 0.1
-    assert model.add_bias_linear and not model.swiglu
+    assert model.add_bias_linear and not model.swiglu and not model.openai_gelu
     assert not model.untie_embeddings_and_output_weights
     assert parallel.tensor_model_parallel_size == 1
     assert parallel.pipeline_model_parallel_size == 1
@@ -276,6 +276,11 @@ def test_defaults_match_megatron() -> None:
     assert training.log_interval == 100
     assert training.global_batch_size == 2  # micro-batch x DP
     assert configs.warnings == ()
+
+
+def test_openai_gelu_is_a_model_field_and_refused_with_swiglu() -> None:
+    assert parse_args(argv(openai_gelu=True), 1).model.openai_gelu
+    assert_names(error(openai_gelu=True, swiglu=True), "--openai-gelu", "--swiglu")
 
 
 @pytest.mark.parametrize(("hidden", "ffn"), [(4096, 10880), (192, 512), (64, 128)])

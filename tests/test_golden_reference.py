@@ -9,8 +9,9 @@ warmup + cosine decay written out below, on the same mock samples with the globa
 into two micro-batches whose losses are averaged. Both run fp32 with dropout off, for 10 steps.
 
 Tolerance: 1e-5 relative, on every step's loss and pre-clip grad norm. Measured worst errors
-(CPU, torch 2.13): losses 4.6e-8 (GPT-2 shape) and 9.5e-8 (rope + RMSNorm + SwiGLU + GQA +
-untied, no biases); grad norms 1.4e-7 and 2.2e-7: fp32 rounding of two programs that sum in
+(CPU, torch 2.13): losses 4.6e-8 (GPT-2 shape), 7.3e-8 (GPT-2 with --openai-gelu, whose
+reference writes the tanh formula out) and 9.5e-8 (rope + RMSNorm + SwiGLU + GQA + untied, no
+biases); grad norms 1.4e-7, 1.4e-7 and 2.2e-7: fp32 rounding of two programs that sum in
 different orders. Clipping is active on every step here (asserted on most), so it is compared
 too: the same plain run without clipping misses megapipe's losses by 1e-3.
 """
@@ -46,6 +47,10 @@ ARGV = [
 
 ARCHITECTURES = {  # name: (extra flags, the same architecture as ModelConfig fields)
     "gpt2": ([], {}),
+    # A wider init, so that the MLP's inputs reach |x| ~ 1, where the tanh GeLU differs.
+    "gpt2-openai-gelu": (
+        ["--openai-gelu", "--init-method-std", "0.2"], dict(openai_gelu=True, init_method_std=0.2)
+    ),
     "llama": (
         ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
          "--untie-embeddings-and-output-weights", "--disable-bias-linear",
@@ -73,8 +78,9 @@ def _megapipe(rank: int, world_size: int, arch: str):
     return [r.lm_loss for r in results], [r.grad_norm for r in results]
 
 
-def _plain(rank: int, world_size: int, arch: str, clip: bool = True):
-    """The reference run; a forked rank like megapipe's, so both use one thread."""
+def _plain(rank: int, world_size: int, arch: str, clip: bool = True, **changes):
+    """The reference run; a forked rank like megapipe's, so both use one thread. `changes`
+    alter the architecture's ModelConfig fields (for the controls)."""
     from megapipe.model import GPTModel
     from megapipe.parallel.random import RNGTracker
     from megapipe.parallel.state import ParallelState
@@ -89,7 +95,7 @@ def _plain(rank: int, world_size: int, arch: str, clip: bool = True):
         vocab_size=VOCAB,
         attention_dropout=0.0,
         hidden_dropout=0.0,
-        **ARCHITECTURES[arch][1],
+        **{**ARCHITECTURES[arch][1], **changes},
     )
     initial = GPTModel(config, ParallelState.single(), RNGTracker(SEED), seed=SEED)
     model = reference_from_megapipe(initial).train()
@@ -145,3 +151,11 @@ def test_the_comparison_sees_clipping():
     losses, _ = run_distributed(_megapipe, 1, "gpt2")[0]
     unclipped, _ = run_distributed(_plain, 1, "gpt2", clip=False)[0]
     assert worst_relative_error(losses, unclipped) > 10 * TOLERANCE
+
+
+def test_the_comparison_sees_the_gelu_approximation():
+    """Control: an exact-GeLU reference misses megapipe's --openai-gelu grad norms (7.7e-5
+    measured; the two GeLUs differ by 4.7e-4 at most), so the case above tests the tanh GeLU."""
+    _, norms = run_distributed(_megapipe, 1, "gpt2-openai-gelu")[0]
+    _, exact = run_distributed(_plain, 1, "gpt2-openai-gelu", openai_gelu=False)[0]
+    assert worst_relative_error(norms, exact) > 5 * TOLERANCE, (norms, exact)

@@ -103,10 +103,11 @@ def test_export_import_round_trips_bit_exactly(trained) -> None:
 
 def _random_hf(kind: str, directory: Path) -> None:
     torch.manual_seed(0)
-    if kind == "gpt2":
+    if kind.startswith("gpt2"):  # GPT-2's default activation is gelu_new (tanh): --openai-gelu
         config = transformers.GPT2Config(
             vocab_size=100, n_positions=32, n_embd=32, n_layer=2, n_head=4,
-            activation_function="gelu", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+            **({"activation_function": "gelu"} if kind == "gpt2-exact-gelu" else {}),
         )  # fmt: skip
         model = transformers.GPT2LMHeadModel(config)
     else:
@@ -123,12 +124,14 @@ def _random_hf(kind: str, directory: Path) -> None:
     model.save_pretrained(str(directory))
 
 
-@pytest.mark.parametrize("kind", sorted(SHAPES))
+@pytest.mark.parametrize("kind", ["gpt2", "gpt2-exact-gelu", "llama"])
 def test_imported_transformers_model_gives_its_logits(kind: str, tmp_path: Path) -> None:
     _random_hf(kind, tmp_path / "hf")
     assert tool("--loader", "hf", "--load-dir", str(tmp_path / "hf"),
                 "--save-dir", str(tmp_path / "mp")) == 0  # fmt: skip
-    ours, theirs = megapipe_logits(weights(tmp_path / "mp")), hf_logits(tmp_path / "hf")
+    imported = weights(tmp_path / "mp")
+    assert imported.config.openai_gelu == (kind == "gpt2")
+    ours, theirs = megapipe_logits(imported), hf_logits(tmp_path / "hf")
     diff = (ours - theirs).abs().max().item()
     print(f"\n{kind}: import max |logit diff| = {diff:.3g}")
     assert diff < 1e-4

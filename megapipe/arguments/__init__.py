@@ -122,6 +122,7 @@ def parse_args(argv: Sequence[str] | None, world_size: int) -> Configs:
         normalization=args.normalization,
         layernorm_epsilon=args.layernorm_epsilon,
         swiglu=args.swiglu,
+        openai_gelu=args.openai_gelu,
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
         add_bias_linear=args.add_bias_linear,
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,

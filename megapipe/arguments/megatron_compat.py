@@ -97,7 +97,6 @@ UNSUPPORTED_FLAGS: tuple[str, ...] = (
     "--kv-channels",
     "--qk-layernorm",
     "--apply-residual-connection-post-layernorm",
-    "--openai-gelu",
     "--squared-relu",
     "--rotary-percent",
     "--use-rotary-position-embeddings",

@@ -61,6 +61,11 @@ def add_network_args(group: argparse._ArgumentGroup) -> None:
         "--swiglu", action="store_true", help="Use gated linear units and SiLU activation (SwiGLU)."
     )
     group.add_argument(
+        "--openai-gelu",
+        action="store_true",
+        help="Use OpenAI's GeLU (GPT-2's tanh approximation) instead of the exact erf GeLU.",
+    )
+    group.add_argument(
         "--untie-embeddings-and-output-weights",
         action="store_true",
         help="Untie the input word embedding and the output layer weights.",

@@ -87,6 +87,10 @@ def validate_model(model: ModelConfig) -> None:
             f"rotary embeddings need an even head dim, got "
             f"--hidden-size/--num-attention-heads = {model.head_dim}",
         )
+    _require(
+        not (model.openai_gelu and model.swiglu),
+        "--openai-gelu with --swiglu: the SwiGLU MLP has no GeLU (it uses SiLU)",
+    )
     for name in ("attention_dropout", "hidden_dropout"):
         value = getattr(model, name)
         _require(0.0 <= value < 1.0, f"{flag(name)} must be in [0, 1), got {value}")

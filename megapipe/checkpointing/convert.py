@@ -39,6 +39,8 @@ from megapipe.pipeline.partition import partition_layers
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 Say = Callable[[str], None]
+# ModelConfig fields newer than some saved checkpoints, with the value those runs had.
+ADDED_LATER = {"openai_gelu": False}
 
 
 @dataclass
@@ -62,7 +64,7 @@ def _value(text: str) -> object:
 
 def model_config_from_args(args: dict[str, str], vocab_size: int) -> ModelConfig:
     """The ModelConfig a run with these saved arguments had (vocabulary from the weights)."""
-    values = {k: _value(v) for k, v in args.items()}
+    values = {**ADDED_LATER, **{k: _value(v) for k, v in args.items()}}
     names = {f.name for f in fields(ModelConfig)} - {"vocab_size", "num_query_groups"}
     missing = sorted(n for n in names if n not in values)
     if missing:

@@ -44,6 +44,10 @@ LN2, LN2_B = L + "mlp.linear_fc1.layer_norm_weight", L + "mlp.linear_fc1.layer_n
 FINAL, FINAL_B = "decoder.final_layernorm.weight", "decoder.final_layernorm.bias"
 WORD, POS = "embedding.word_embeddings.weight", "embedding.position_embeddings.weight"
 OUTPUT = "output_layer.weight"
+# transformers' GPT-2 activation_function names: the tanh formula 0.5x(1 + tanh(sqrt(2/pi)(x +
+# 0.044715x^3))) written five ways (equal up to fp32 rounding), and the exact erf GeLU two ways.
+TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu_python_tanh", "gelu_accurate")
+EXACT_GELUS = ("gelu", "gelu_python")
 
 
 def _refuse(what: str, why: str) -> None:
@@ -163,7 +167,7 @@ def hf_config(config: ModelConfig, dtype: torch.dtype) -> dict:
             "n_layer": config.num_layers,
             "n_head": config.num_attention_heads,
             "n_inner": config.ffn_hidden_size,
-            "activation_function": "gelu",  # megapipe's F.gelu: exact erf GeLU
+            "activation_function": "gelu_new" if config.openai_gelu else "gelu",
             "layer_norm_epsilon": config.layernorm_epsilon,
             "resid_pdrop": 0.0,
             "embd_pdrop": 0.0,
@@ -251,10 +255,10 @@ def _model_config(hf: dict, directory: str) -> ModelConfig:
     kind = hf.get("model_type")
     if kind == "gpt2":
         act = hf.get("activation_function", "gelu_new")
-        if act != "gelu":
+        if act not in TANH_GELUS + EXACT_GELUS:
             raise ConfigError(
-                f"{directory}: GPT-2 activation_function {act!r}: megapipe has only the exact "
-                "GeLU ('gelu')"
+                f"{directory}: GPT-2 activation_function {act!r}: megapipe has the exact GeLU "
+                f"({', '.join(EXACT_GELUS)}) and the tanh one ({', '.join(TANH_GELUS)})"
             )
         if hf.get("scale_attn_by_inverse_layer_idx") or hf.get("reorder_and_upcast_attn"):
             raise ConfigError(f"{directory}: GPT-2 attention scaling options megapipe lacks")
@@ -270,6 +274,7 @@ def _model_config(hf: dict, directory: str) -> ModelConfig:
             max_position_embeddings=hf["n_positions"],
             ffn_hidden_size=hf.get("n_inner") or 4 * h,
             layernorm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
+            openai_gelu=act in TANH_GELUS,
             attention_dropout=0.0,
             hidden_dropout=0.0,
         )

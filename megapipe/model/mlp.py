@@ -1,4 +1,7 @@
-"""The feed-forward block: column-parallel fc1 -> GeLU or SwiGLU -> row-parallel fc2."""
+"""The feed-forward block: column-parallel fc1 -> GeLU or SwiGLU -> row-parallel fc2.
+
+GeLU is the exact erf one, or GPT-2's tanh approximation with --openai-gelu.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ class MLP(torch.nn.Module):
     ) -> None:
         super().__init__()
         self.swiglu = config.swiglu
+        self.gelu_approximate = "tanh" if config.openai_gelu else "none"
         fc1_size = config.ffn_hidden_size * (2 if config.swiglu else 1)
         self.linear_fc1 = ColumnParallelLinear(
             config.hidden_size,
@@ -44,5 +48,5 @@ class MLP(torch.nn.Module):
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
         else:
-            h = F.gelu(h)
+            h = F.gelu(h, approximate=self.gelu_approximate)
         return self.linear_fc2(h)
