@@ -3,7 +3,7 @@
 # downloaded. Builds a corpus from text that ships with Python, trains a SentencePiece
 # tokenizer on it, preprocesses it into Megatron's .bin/.idx format, and trains with a 2-stage
 # pipeline over 2 CPU ranks (gloo), evaluating on the validation split and writing TensorBoard
-# logs to $RUN_DIR/tensorboard. Override the run directory or rank count with
+# logs to $RUN_DIR/tensorboard, then prints a short greedy sample of what it writes. Override the run directory or rank count with
 #   RUN_DIR=... NPROC=... bash examples/pretrain_gpt_demo_cpu.sh [extra pretrain_gpt.py flags]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,6 +29,15 @@ OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node "$NPROC" pretrain_gpt.p
     --data-cache-path "$RUN_DIR/cache" \
     --eval-interval 20 --eval-iters 2 --log-throughput --tensorboard-dir "$RUN_DIR/tensorboard" \
     --save "$RUN_DIR/checkpoints" --save-interval 20 "$@"
+
+# What the model writes now, from the checkpoint just saved, on one process: greedy, then
+# sampled from the 20 likeliest tokens. 40 iterations teach it little more than word
+# frequencies; more --train-iters write better.
+export OMP_NUM_THREADS=1
+python tools/generate_text.py --load "$RUN_DIR/checkpoints" --greedy --max-new-tokens 24 \
+    --prompt "The"
+python tools/generate_text.py --load "$RUN_DIR/checkpoints" --top-k 20 --seed 1 \
+    --max-new-tokens 24 --prompt "The"
 
 echo "view the TensorBoard logs with: tensorboard --logdir $RUN_DIR/tensorboard"
 echo "checkpoints in $RUN_DIR/checkpoints: continue with this script and" \
