@@ -17,7 +17,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from megapipe.checkpointing.convert import convert  # noqa: E402
 from megapipe.checkpointing.errors import CheckpointError  # noqa: E402
-from megapipe.checkpointing.hf_export import export_hf, import_hf  # noqa: E402
+from megapipe.checkpointing.hf_export import export_hf  # noqa: E402
+from megapipe.checkpointing.hf_import import import_hf  # noqa: E402
+from megapipe.checkpointing.hf_safetensors import DEFAULT_MAX_SHARD_SIZE  # noqa: E402
 from megapipe.errors import ConfigError  # noqa: E402
 
 
@@ -41,8 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--saver",
         default="megapipe",
         choices=["megapipe", "hf"],
-        help="hf: write a transformers directory (config.json + model.safetensors) that "
-        "AutoModelForCausalLM.from_pretrained loads (GPT2LMHeadModel or LlamaForCausalLM).",
+        help="hf: write a transformers directory (config.json, model.safetensors or shards "
+        "with an index, the run's tokenizer files) that AutoModelForCausalLM.from_pretrained "
+        "loads (GPT2LMHeadModel or LlamaForCausalLM).",
     )
     parser.add_argument(
         "--load-dir", required=True, help="Checkpoint directory to read (its tracker's iteration)."
@@ -59,6 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch_dist (layout-free) or torch (Megatron's legacy per-rank files). "
         "Default: torch_dist.",
     )
+    parser.add_argument(
+        "--max-shard-size",
+        default=DEFAULT_MAX_SHARD_SIZE,
+        help="--saver hf: split the weights into shards of at most this size, with an index "
+        "(a tensor above it gets a shard of its own): 5GB, 500MB, 2000000 (bytes). "
+        f"Default: {DEFAULT_MAX_SHARD_SIZE}, as transformers' save_pretrained.",
+    )
     return parser
 
 
@@ -69,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         if args.saver == "hf":
-            export_hf(args.load_dir, args.save_dir)
+            export_hf(args.load_dir, args.save_dir, max_shard_size=args.max_shard_size)
             return 0
         if args.loader == "hf":
             import_hf(
