@@ -24,6 +24,7 @@ __all__ = [
     "ModelConfig",
     "OptimizerConfig",
     "ParallelConfig",
+    "RecomputeConfig",
     "TrainingConfig",
     "flag",
 ]
@@ -238,6 +239,34 @@ class DataConfig:
         return bool(self.data_path or self.train_data_path)
 
 
+RECOMPUTE_MODULES = ("core_attn", "mlp")
+
+
+@dataclass(frozen=True)
+class RecomputeConfig:
+    """Activation recomputation (Megatron's --recompute-* flags).
+
+    granularity "full": keep only the input of each recomputed group of layers and run the
+    group again in backward; method "uniform" groups a stage's layers `num_layers` at a time,
+    "block" recomputes the first `num_layers` layers of each stage (model chunk) one by one.
+    granularity "selective": recompute only `modules` inside every layer (core_attn: the
+    attention core from q, k, v; mlp: the whole MLP from its input).
+    """
+
+    granularity: str | None = None  # None, "full" or "selective"
+    method: str | None = None  # "uniform" or "block" (full only)
+    num_layers: int | None = None
+    modules: tuple[str, ...] = ("core_attn",)
+
+    @property
+    def full(self) -> bool:
+        return self.granularity == "full"
+
+    def selective(self, module: str) -> bool:
+        """Whether `module` (one of RECOMPUTE_MODULES) is recomputed inside each layer."""
+        return self.granularity == "selective" and module in self.modules
+
+
 @dataclass(frozen=True)
 class Configs:
     """Everything one run needs, settled together against a world size."""
@@ -251,6 +280,7 @@ class Configs:
     data: DataConfig = field(default_factory=DataConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
     arguments: tuple[tuple[str, str], ...] = field(default=(), compare=False)  # for TensorBoard
 
     @property

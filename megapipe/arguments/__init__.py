@@ -30,6 +30,7 @@ from megapipe.arguments.megatron_compat import (
 )
 from megapipe.arguments.model_flags import add_network_args, add_regularization_args
 from megapipe.arguments.parallel_flags import add_distributed_args, virtual_stages
+from megapipe.arguments.recompute_flags import add_recompute_args, recompute_config
 from megapipe.arguments.training_flags import add_optimizer_args, add_training_args
 from megapipe.arguments.validation import validate_configs, validate_parallel
 from megapipe.config import (
@@ -75,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_validation_args(parser.add_argument_group("validation"))
     add_logging_args(parser.add_argument_group("logging"))
     add_checkpoint_args(parser.add_argument_group("checkpointing"))
+    add_recompute_args(parser.add_argument_group("activation recomputation"))
     add_compat_args(parser.add_argument_group("Megatron-LM compatibility"))
     return parser
 
@@ -159,6 +161,7 @@ def parse_args(argv: Sequence[str] | None, world_size: int) -> Configs:
         data=data,
         logging=logging,
         checkpoint=checkpoint,
+        recompute=recompute_config(args),
         arguments=tuple((name, repr(value)) for name, value in sorted(vars(args).items())),
     )
     for note in notes:

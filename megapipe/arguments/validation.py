@@ -23,6 +23,7 @@ from megapipe.config import (
     ModelConfig,
     OptimizerConfig,
     ParallelConfig,
+    RecomputeConfig,
     TrainingConfig,
 )
 from megapipe.errors import ConfigError, flag
@@ -229,6 +230,28 @@ def validate_pipeline(model: ModelConfig, parallel: ParallelConfig, num_microbat
     )
 
 
+def validate_recompute(
+    recompute: RecomputeConfig, model: ModelConfig, parallel: ParallelConfig
+) -> None:
+    """--recompute-num-layers fits the layers of every pipeline stage (model chunk)."""
+    if not recompute.full:
+        return
+    stage_map = partition_layers(
+        model,
+        parallel.pipeline_model_parallel_size,
+        parallel.virtual_pipeline_model_parallel_size,
+        method=parallel.pipeline_partition,
+        first=parallel.decoder_first_pipeline_num_layers,
+        last=parallel.decoder_last_pipeline_num_layers,
+    )
+    fewest = min(len(chunk) for chunks in stage_map.layers for chunk in chunks)
+    _require(
+        recompute.num_layers <= fewest,
+        f"--recompute-num-layers {recompute.num_layers} exceeds the {fewest} layers of the "
+        "smallest pipeline stage (model chunk)",
+    )
+
+
 def validate_configs(
     model: ModelConfig,
     parallel: ParallelConfig,
@@ -279,6 +302,9 @@ def validate_configs(
             raise ConfigError(
                 f"{error} (at the ramped global batch size {batch_size} of --rampup-batch-size)"
             ) from None
+    recompute = others.get("recompute")
+    if isinstance(recompute, RecomputeConfig):
+        validate_recompute(recompute, model, parallel)
     logging = others.get("logging")
     if isinstance(logging, LoggingConfig):
         validate_logging(logging)

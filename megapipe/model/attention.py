@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,7 @@ from megapipe.config import ModelConfig
 from megapipe.inference.kv_cache import KVCache
 from megapipe.layers.linear import ColumnParallelLinear, RowParallelLinear
 from megapipe.model.dropout import LogicalDropout
+from megapipe.model.recompute import recompute, wanted
 from megapipe.model.rotary import RotaryEmbedding
 from megapipe.parallel.random import RNGTracker
 from megapipe.parallel.state import Group
@@ -41,9 +43,11 @@ class SelfAttention(torch.nn.Module):
         output_init_std: float,
         sequence_parallel: bool,
         layer_number: int = 0,
+        recompute_core: bool = False,
     ) -> None:
         super().__init__()
         self.rng = rng
+        self.recompute_core = recompute_core  # --recompute-granularity selective (core_attn)
         self.layer_number = layer_number  # global index: keys this layer's dropout masks
         self.dropout = config.attention_dropout
         self.head_dim = config.head_dim
@@ -95,8 +99,6 @@ class SelfAttention(torch.nn.Module):
         if rotary is not None:
             q, k = rotary(q, offset), rotary(k, offset)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
-        dropout = self.dropout if self.training else 0.0
-        scale = 1.0 / math.sqrt(self.head_dim)
         causal = attention_mask is None
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_number, k, v)
@@ -104,9 +106,30 @@ class SelfAttention(torch.nn.Module):
                 causal = False
                 if s > 1 and attention_mask is None:
                     attention_mask = cached_causal_mask(s, offset, q.device)
+        core = partial(self._core, causal=causal, dropout_masks=dropout_masks)
+        if self.recompute_core and wanted(self):
+            out = recompute(core, q, k, v, attention_mask, rng=self.rng)
+        else:
+            out = core(q, k, v, attention_mask)
+        out = out.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim)
+        return self.linear_proj(out)
+
+    def _core(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        *,
+        causal: bool,
+        dropout_masks: LogicalDropout | None,
+    ) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d)) v, with dropout on the probabilities: [b, heads, s, d]."""
+        dropout = self.dropout if self.training else 0.0
+        scale = 1.0 / math.sqrt(self.head_dim)
         if dropout > 0 and dropout_masks is not None:
             layer = self.layer_number
-            out = explicit_attention(
+            return explicit_attention(
                 q,
                 k,
                 v,
@@ -114,20 +137,17 @@ class SelfAttention(torch.nn.Module):
                 scale,
                 lambda probs: dropout_masks.attention_probs(probs, dropout, layer),
             )
-        else:
-            with self.rng.fork() if dropout > 0 else contextlib.nullcontext():
-                out = F.scaled_dot_product_attention(
-                    q,
-                    k,
-                    v,
-                    attn_mask=attention_mask,
-                    dropout_p=dropout,
-                    is_causal=causal,
-                    scale=scale,
-                    enable_gqa=self.local_groups != self.local_heads,
-                )
-        out = out.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim)
-        return self.linear_proj(out)
+        with self.rng.fork() if dropout > 0 else contextlib.nullcontext():
+            return F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=attention_mask,
+                dropout_p=dropout,
+                is_causal=causal,
+                scale=scale,
+                enable_gqa=self.local_groups != self.local_heads,
+            )
 
 
 def cached_causal_mask(s: int, offset: int, device: torch.device) -> torch.Tensor:

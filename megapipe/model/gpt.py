@@ -12,7 +12,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from megapipe.config import ModelConfig
+from megapipe.config import ModelConfig, RecomputeConfig
 from megapipe.inference.kv_cache import KVCache
 from megapipe.layers.cross_entropy import vocab_parallel_cross_entropy
 from megapipe.layers.embedding import VocabParallelEmbedding, vocab_range
@@ -21,6 +21,7 @@ from megapipe.layers.norms import build_norm
 from megapipe.layers.param_meta import ParamMeta, make_param
 from megapipe.model.dropout import EMBEDDING_LAYER, LogicalDropout
 from megapipe.model.initialization import initialize_parameters
+from megapipe.model.recompute import recompute, recomputed_groups, wanted
 from megapipe.model.rotary import RotaryEmbedding
 from megapipe.model.transformer_layer import TransformerLayer
 from megapipe.parallel.mappings import scatter_to_sequence_parallel_region
@@ -99,18 +100,26 @@ class Decoder(torch.nn.Module):
         layers: range,
         final_norm: bool,
         sequence_parallel: bool,
+        recompute: RecomputeConfig | None = None,
     ) -> None:
         super().__init__()
+        recompute = recompute or RecomputeConfig()
         self.rng = rng
         self.sequence_parallel = sequence_parallel
         self.layers = torch.nn.ModuleDict(
             {
                 str(i): TransformerLayer(
-                    config, tp, rng, sequence_parallel=sequence_parallel, layer_number=i
+                    config,
+                    tp,
+                    rng,
+                    sequence_parallel=sequence_parallel,
+                    layer_number=i,
+                    recompute=recompute,
                 )
                 for i in layers
             }
         )
+        self.recomputed = recomputed_groups(recompute, len(layers))  # full recomputation
         self.final_layernorm = (
             build_norm(
                 config.normalization,
@@ -132,9 +141,23 @@ class Decoder(torch.nn.Module):
     ) -> torch.Tensor:
         # Without dropout_masks, dropout draws from the rank's streams: under SP every
         # activation is a per-rank shard, so all of it draws from the TP stream.
+        layers = list(self.layers.values())
+        groups = {g.start: g for g in self.recomputed} if wanted(self) else {}
+
+        def run(x: torch.Tensor, mask: torch.Tensor | None, group: range) -> torch.Tensor:
+            for i in group:
+                x = layers[i](x, rotary, mask, dropout_masks, kv_cache)
+            return x
+
         with self.rng.fork() if self.sequence_parallel else contextlib.nullcontext():
-            for layer in self.layers.values():
-                x = layer(x, rotary, attention_mask, dropout_masks, kv_cache)
+            i = 0
+            while i < len(layers):
+                group = groups.get(i, range(i, i + 1))
+                if i in groups:
+                    x = recompute(run, x, attention_mask, group, rng=self.rng)
+                else:
+                    x = run(x, attention_mask, group)
+                i = group.stop
         if self.final_layernorm is not None:
             x = self.final_layernorm(x)
         return x
@@ -158,6 +181,7 @@ class GPTModel(torch.nn.Module):
         seed: int,
         sequence_parallel: bool = False,
         layers: range | None = None,
+        recompute: RecomputeConfig | None = None,
     ) -> None:
         super().__init__()
         layers = range(config.num_layers) if layers is None else layers
@@ -182,7 +206,9 @@ class GPTModel(torch.nn.Module):
             if config.position_embedding_type == "rope"
             else None
         )
-        self.decoder = Decoder(config, tp, rng, layers, self.post_process, self.sequence_parallel)
+        self.decoder = Decoder(
+            config, tp, rng, layers, self.post_process, self.sequence_parallel, recompute
+        )
         self.output_layer = None
         if self.post_process:
             tied = not config.untie_embeddings_and_output_weights

@@ -9,12 +9,13 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from megapipe.config import ModelConfig
+from megapipe.config import ModelConfig, RecomputeConfig
 from megapipe.inference.kv_cache import KVCache
 from megapipe.layers.norms import build_norm
 from megapipe.model.attention import SelfAttention
 from megapipe.model.dropout import LogicalDropout
 from megapipe.model.mlp import MLP
+from megapipe.model.recompute import recompute, wanted
 from megapipe.model.rotary import RotaryEmbedding
 from megapipe.parallel.random import RNGTracker
 from megapipe.parallel.state import Group
@@ -50,9 +51,13 @@ class TransformerLayer(torch.nn.Module):
         *,
         sequence_parallel: bool,
         layer_number: int = 0,
+        recompute: RecomputeConfig | None = None,
     ) -> None:
         super().__init__()
+        recompute = recompute or RecomputeConfig()
+        self.rng = rng
         self.layer_number = layer_number
+        self.recompute_mlp = recompute.selective("mlp")
         self.hidden_dropout = config.hidden_dropout
         # Megatron scales the init of layers that write into the residual stream.
         output_std = config.init_method_std / math.sqrt(2.0 * config.num_layers)
@@ -66,6 +71,7 @@ class TransformerLayer(torch.nn.Module):
             output_init_std=output_std,
             sequence_parallel=sp,
             layer_number=layer_number,
+            recompute_core=recompute.selective("core_attn"),
         )
         self.pre_mlp_layernorm = build_norm(config.normalization, config.hidden_size, eps, sp)
         self.mlp = MLP(config, tp, output_init_std=output_std, sequence_parallel=sp)
@@ -88,5 +94,8 @@ class TransformerLayer(torch.nn.Module):
             self.input_layernorm(x), rotary, attention_mask, dropout_masks, kv_cache
         )
         x = bias_dropout_add(out, bias, x, p, self.training, drop_attention)
-        out, bias = self.mlp(self.pre_mlp_layernorm(x))
+        if self.recompute_mlp and wanted(self):
+            out, bias = recompute(self.mlp, self.pre_mlp_layernorm(x), rng=self.rng)
+        else:
+            out, bias = self.mlp(self.pre_mlp_layernorm(x))
         return bias_dropout_add(out, bias, x, p, self.training, drop_mlp)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -43,6 +44,16 @@ def _set_state(device: torch.device, state: torch.Tensor) -> None:
         torch.cuda.set_rng_state(state, device)
     else:
         torch.set_rng_state(state)
+
+
+@dataclass(frozen=True)
+class RNGSnapshot:
+    """Where both streams stood at one moment: the device generator's state (which is the
+    tensor-parallel stream inside a `fork()`), the TP stream's saved state, and the fork depth."""
+
+    device_state: torch.Tensor
+    tensor_parallel_state: torch.Tensor
+    fork_depth: int
 
 
 class RNGTracker:
@@ -89,6 +100,27 @@ class RNGTracker:
             self._depth = 0
             self._tp_state = _get_state(self.device)
             _set_state(self.device, outer)
+
+    def snapshot(self) -> RNGSnapshot:
+        """Both streams as they are now (activation recomputation replays from here)."""
+        return RNGSnapshot(_get_state(self.device), self._tp_state.clone(), self._depth)
+
+    @contextlib.contextmanager
+    def replay(self, snapshot: RNGSnapshot) -> Iterator[None]:
+        """Run the block with both streams (and the fork depth) as in `snapshot`, then put back
+        the streams as they were before the block: a recomputed forward draws the very masks
+        the first forward drew, and nothing after it notices."""
+        current = self.snapshot()
+        self._restore(snapshot)
+        try:
+            yield
+        finally:
+            self._restore(current)
+
+    def _restore(self, snapshot: RNGSnapshot) -> None:
+        _set_state(self.device, snapshot.device_state)
+        self._tp_state = snapshot.tensor_parallel_state.clone()
+        self._depth = snapshot.fork_depth
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Both streams, for checkpoints (bit-exact resume of dropout masks)."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megapipe.config import ModelConfig
+from megapipe.config import ModelConfig, RecomputeConfig
 from megapipe.model.gpt import GPTModel
 from megapipe.parallel.random import RNGTracker
 from megapipe.parallel.state import ParallelState
@@ -17,6 +17,7 @@ def build_model_chunks(
     *,
     seed: int,
     sequence_parallel: bool = False,
+    recompute: RecomputeConfig | None = None,
 ) -> list[GPTModel]:
     """Chunk c of this rank holds the layers of virtual stage c * p + pp_rank."""
     if stage_map.pipeline_size != state.pp.size:
@@ -25,7 +26,15 @@ def build_model_chunks(
             f"pipeline group has {state.pp.size}"
         )
     return [
-        GPTModel(config, state, rng, seed=seed, sequence_parallel=sequence_parallel, layers=layers)
+        GPTModel(
+            config,
+            state,
+            rng,
+            seed=seed,
+            sequence_parallel=sequence_parallel,
+            layers=layers,
+            recompute=recompute,
+        )
         for layers in stage_map.layers[state.pp.rank]
     ]
 

@@ -47,6 +47,7 @@ def build_model_chunks_for(
         stage_map or stage_map_for(configs),
         seed=seed,
         sequence_parallel=configs.parallel.sequence_parallel,
+        recompute=configs.recompute,
     )
     for chunk in chunks:
         chunk.to(configs.optimizer.params_dtype)
