@@ -4,9 +4,10 @@ tokenizer beside its model.
 From the checkpoint's saved arguments: GPT-2 BPE (`--vocab-file`/`--merge-file`; also what
 megapipe infers when no `--tokenizer-type` is given) becomes `vocab.json` + `merges.txt` with a
 `GPT2Tokenizer` config; a Hugging Face `tokenizer.json` (`--tokenizer-model`, a file or a
-directory) is copied as it is. SentencePiece models are not written yet: transformers' Llama
-tokenizer adds a BOS and handles the leading space its own way, so the ids would not be the
-run's; the export says so instead of writing files that tokenize differently.
+directory) is copied as it is; a SentencePiece model (`GPTSentencePieceTokenizer`,
+`SentencePieceTokenizer`) is rebuilt as a `tokenizer.json` that gives megapipe's ids
+(`hf_sentencepiece`, which says where a Unigram model can differ). Anything else gets a line
+saying why no files were written, never files that would tokenize differently.
 """
 
 from __future__ import annotations
@@ -70,10 +71,18 @@ def write_tokenizer_files(
                 return "PreTrainedTokenizerFast"
         config = {"tokenizer_class": "PreTrainedTokenizerFast"}
         cls = "PreTrainedTokenizerFast"
+    elif kind in ("GPTSentencePieceTokenizer", "SentencePieceTokenizer"):
+        if not isinstance(model, str):
+            say(f" no tokenizer files written: --tokenizer-type {kind} without --tokenizer-model")
+            return None
+        from megapipe.checkpointing.hf_sentencepiece import write_sentencepiece_files
+
+        extra = _arg(args, "vocab_extra_ids") or 0
+        return write_sentencepiece_files(model, kind, save_dir, say, vocab_extra_ids=extra)
     else:
         say(
             f" no tokenizer files written: --tokenizer-type {kind} has no transformers tokenizer "
-            "that gives the same ids (SentencePiece export is not supported yet)"
+            "that gives the same ids"
         )
         return None
     with open(os.path.join(save_dir, "tokenizer_config.json"), "w", encoding="utf-8") as file:

@@ -94,6 +94,11 @@ class SentencePieceTokenizer(Tokenizer):
     def vocab_size(self) -> int:
         return len(self._vocab)
 
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        """Each named special token and its id, in the order they were added."""
+        return dict(self._special)
+
     def tokenize(self, text: str) -> list[int]:
         ids: list[int] = []
         start = 0
