@@ -19,7 +19,8 @@ setup(
         "safetensors>=0.4",  # Hugging Face export/import (tools/checkpoint/convert.py --saver hf)
     ],
     extras_require={
-        # tokenizers: HuggingFaceTokenizer at run time; in dev, the oracle the GPT-2 BPE is
+        # tokenizers: HuggingFaceTokenizer at run time and the SentencePiece tokenizer.json of a
+        # Hugging Face export; in dev, the oracle the GPT-2 BPE is
         # tested against, and the trainer of the GPT-2 BPE files the Megatron example test uses.
         "dev": [
             "pytest>=7",
