@@ -88,7 +88,7 @@ def architecture(config: ModelConfig) -> str:
     raise AssertionError
 
 
-def _split_qkv(w: torch.Tensor, config: ModelConfig) -> tuple[torch.Tensor, ...]:
+def split_qkv(w: torch.Tensor, config: ModelConfig) -> tuple[torch.Tensor, ...]:
     """megapipe's [group: q_0..q_{k-1}, k, v]* rows -> (q, k, v) rows (w: [rows] or [rows, h])."""
     groups, d = config.num_query_groups, config.head_dim
     per = config.num_attention_heads // groups
@@ -99,7 +99,10 @@ def _split_qkv(w: torch.Tensor, config: ModelConfig) -> tuple[torch.Tensor, ...]
     return q, k, v
 
 
-def _join_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ModelConfig):
+def join_qkv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ModelConfig
+) -> torch.Tensor:
+    """The inverse of `split_qkv`: (q, k, v) rows -> megapipe's per-group QKV rows."""
     groups, d = config.num_query_groups, config.head_dim
     per = config.num_attention_heads // groups
     rest = q.shape[1:]
@@ -119,8 +122,8 @@ def _gpt2_tensors(t: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, 
         p = f"transformer.h.{i}."
         out[p + "ln_1.weight"], out[p + "ln_1.bias"] = t[LN1][i], t[LN1_B][i]
         out[p + "ln_2.weight"], out[p + "ln_2.bias"] = t[LN2][i], t[LN2_B][i]
-        out[p + "attn.c_attn.weight"] = torch.cat(_split_qkv(t[QKV][i], config)).t()
-        out[p + "attn.c_attn.bias"] = torch.cat(_split_qkv(t[QKV_B][i], config))
+        out[p + "attn.c_attn.weight"] = torch.cat(split_qkv(t[QKV][i], config)).t()
+        out[p + "attn.c_attn.bias"] = torch.cat(split_qkv(t[QKV_B][i], config))
         out[p + "attn.c_proj.weight"], out[p + "attn.c_proj.bias"] = t[PROJ][i].t(), t[PROJ_B][i]
         out[p + "mlp.c_fc.weight"], out[p + "mlp.c_fc.bias"] = t[FC1][i].t(), t[FC1_B][i]
         out[p + "mlp.c_proj.weight"], out[p + "mlp.c_proj.bias"] = t[FC2][i].t(), t[FC2_B][i]
@@ -142,7 +145,7 @@ def _llama_tensors(t: dict[str, torch.Tensor], config: ModelConfig) -> dict[str,
         }.items():
             if kind == "bias" and not bias:
                 continue
-            q, k, v = _split_qkv(t[qkv][i], config)
+            q, k, v = split_qkv(t[qkv][i], config)
             out[f"{p}self_attn.q_proj.{kind}"], out[f"{p}self_attn.k_proj.{kind}"] = q, k
             out[f"{p}self_attn.v_proj.{kind}"] = v
             out[f"{p}self_attn.o_proj.{kind}"] = t[proj][i]

@@ -41,8 +41,8 @@ from megapipe.checkpointing.hf_export import (
     QKV_B,
     TANH_GELUS,
     WORD,
-    _join_qkv,
-)  # fmt: skip
+    join_qkv,
+)
 from megapipe.checkpointing.hf_safetensors import read_weights
 from megapipe.checkpointing.run_state import Progress
 from megapipe.config import ModelConfig
@@ -211,7 +211,7 @@ def _megapipe_tensors(
             rows = []
             for name in per(suffix):
                 w = get(name).t() if transpose else get(name)
-                rows.append(_join_qkv(*w.chunk(3), config))
+                rows.append(join_qkv(*w.chunk(3), config))
             return torch.stack(rows)
 
         t[WORD], t[POS] = get("transformer.wte.weight"), get("transformer.wpe.weight")
@@ -237,7 +237,7 @@ def _megapipe_tensors(
             for i in range(n):
                 p = f"model.layers.{i}.self_attn."
                 parts = [get(p + x + "_proj." + kind) for x in "qkv"]
-                rows.append(_join_qkv(*parts, config))
+                rows.append(join_qkv(*parts, config))
             return torch.stack(rows)
 
         def fc1(kind: str) -> torch.Tensor:
