@@ -55,8 +55,10 @@ def add_distributed_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--pipeline-partition",
         default="uniform",
-        help="How layers are split over stages: uniform (Megatron-LM's rule) or balanced "
-        "(equal FLOPs per stage counting the output layer on the last stage). Default: uniform.",
+        help="How layers are split over stages: uniform (Megatron-LM's rule), balanced "
+        "(equal FLOPs per stage counting the output layer on the last stage) or memory (equal "
+        "estimated peak memory per stage, counting the micro-batches each stage keeps in "
+        "flight; one chunk per rank). Default: uniform.",
     )
     group.add_argument(
         "--pipeline-p2p-timeout",

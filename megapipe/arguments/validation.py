@@ -27,8 +27,9 @@ from megapipe.config import (
     TrainingConfig,
 )
 from megapipe.errors import ConfigError, flag
-from megapipe.pipeline.partition import partition_layers
+from megapipe.pipeline.partition import StageMap
 from megapipe.pipeline.schedules import validate_schedule
+from megapipe.pipeline.stage_memory import plan_stages
 from megapipe.training.batch_size import batch_size_schedule_of
 from megapipe.training.lr_schedule import lr_schedule_of
 
@@ -213,37 +214,19 @@ def validate_data(data: DataConfig) -> None:
 
 
 def validate_pipeline(model: ModelConfig, parallel: ParallelConfig, num_microbatches: int) -> None:
-    """The schedule can run these micro-batches, and the layers split over the stages."""
+    """The schedule can run these micro-batches (the layer split is checked by plan_stages)."""
     pp, v = parallel.pipeline_model_parallel_size, parallel.virtual_pipeline_model_parallel_size
     if v > 1 and pp == 1:
         raise ConfigError(
             f"virtual pipeline stages ({v} per rank) need --pipeline-model-parallel-size > 1"
         )
     validate_schedule(parallel.schedule, pp, v, num_microbatches)
-    partition_layers(
-        model,
-        pp,
-        v,
-        method=parallel.pipeline_partition,
-        first=parallel.decoder_first_pipeline_num_layers,
-        last=parallel.decoder_last_pipeline_num_layers,
-    )
 
 
-def validate_recompute(
-    recompute: RecomputeConfig, model: ModelConfig, parallel: ParallelConfig
-) -> None:
+def validate_recompute(recompute: RecomputeConfig, stage_map: StageMap) -> None:
     """--recompute-num-layers fits the layers of every pipeline stage (model chunk)."""
     if not recompute.full:
         return
-    stage_map = partition_layers(
-        model,
-        parallel.pipeline_model_parallel_size,
-        parallel.virtual_pipeline_model_parallel_size,
-        method=parallel.pipeline_partition,
-        first=parallel.decoder_first_pipeline_num_layers,
-        last=parallel.decoder_last_pipeline_num_layers,
-    )
     fewest = min(len(chunk) for chunks in stage_map.layers for chunk in chunks)
     _require(
         recompute.num_layers <= fewest,
@@ -303,8 +286,17 @@ def validate_configs(
                 f"{error} (at the ramped global batch size {batch_size} of --rampup-batch-size)"
             ) from None
     recompute = others.get("recompute")
-    if isinstance(recompute, RecomputeConfig):
-        validate_recompute(recompute, model, parallel)
+    recompute = recompute if isinstance(recompute, RecomputeConfig) else RecomputeConfig()
+    stage_map = plan_stages(
+        model,
+        parallel,
+        micro_batch_size=training.micro_batch_size,
+        num_microbatches=training.num_microbatches(dp),
+        optimizer=optimizer,
+        recompute=recompute,
+        data_parallel_size=dp,
+    )
+    validate_recompute(recompute, stage_map)
     logging = others.get("logging")
     if isinstance(logging, LoggingConfig):
         validate_logging(logging)

@@ -6,8 +6,8 @@ allocator's counters.
 
 The formula, for one layer of micro-batch b, sequence s, hidden h, a heads, g query groups,
 head size d, ffn size f, TP size t, in elements of the activation dtype (GeLU MLP, learned or
-no positions, dropout 0; Korthikanti et al. 2022 count 34 sbh + 5 a s^2 b bytes at 16 bits
-with dropout masks and an unfused softmax):
+no positions; Korthikanti et al. 2022 count 34 sbh + 5 a s^2 b bytes at 16 bits with dropout
+masks and an unfused softmax):
 
     replicated (without SP):  2 sbh (the two norms' inputs) + 2 sbh (the inputs of the
                               column-parallel QKV and fc1, gathered across TP)
@@ -18,13 +18,21 @@ with dropout masks and an unfused softmax):
     small, in fp32:           a s b / t        (SDPA's log-sum-exp)
                             + 2 x 2 sb         (LayerNorm's mean and 1/std; RMSNorm: 1 sb each)
 
-With a = g, f = 4h that is sbh (4 + 12/t), against Korthikanti's sbh (10 + 24/t + 5as/(ht))
-bytes at 16 bits with masks; SDPA stores no s x s matrix. Under sequence parallelism every
-term is split over TP: sbh 16/t. Selective recomputation of core_attn keeps q, k, v (the
-recomputation's input) and the projection's input, and drops only SDPA's log-sum-exp (SDPA
-holds no s x s matrix to drop; the unfused attention of dropout with sample-keyed masks
-does); of mlp it keeps only the MLP's input (the second norm's output) instead of fc1's, the
-GeLU's and fc2's inputs. Full recomputation keeps only the input of each recomputed group.
+    with hidden dropout:      + 2 sbh          (the two keep-masks, in the activation dtype)
+    with attention dropout:   + a s^2 b / t x (4 bytes + 2 elements), + s^2 bytes, - the LSE
+                              (the sample-keyed masks need the unfused attention: its fp32
+                              probabilities, keep-mask and dropped probabilities, and the
+                              causal mask, instead of SDPA)
+
+With a = g, f = 4h and no dropout that is sbh (4 + 12/t), against Korthikanti's
+sbh (10 + 24/t + 5as/(ht)) bytes at 16 bits with masks; SDPA stores no s x s matrix.
+Under sequence parallelism every term is split over TP: sbh 16/t.
+
+Selective recomputation of core_attn keeps q, k, v (the recomputation's input) and the
+projection's input: it drops SDPA's log-sum-exp only (SDPA holds no s x s matrix), or the
+s x s terms of the unfused attention. Of mlp it keeps only the MLP's input (the second norm's
+output) instead of fc1's, the GeLU's and fc2's inputs. Full recomputation keeps only the input
+of each recomputed group of layers.
 """
 
 from __future__ import annotations
@@ -77,9 +85,68 @@ def layer_activation_bytes(
     column_input = s * b * h // (tp if sp else 1) * dtype_bytes
     qkv = s * b * (a + 2 * g) * d // tp * dtype_bytes
     out = s * b * h // tp * dtype_bytes  # SDPA's output = the projection's input
-    lse = 0 if recompute.selective("core_attn") else a * s * b // tp * 4
-    attention = norm + column_input + qkv + out + lse
+    core = a * s * b // tp * 4  # SDPA's log-sum-exp
+    if config.attention_dropout > 0:  # the unfused attention of sample-keyed masks
+        core = a * s * s * b // tp * (4 + 2 * dtype_bytes) + s * s
+    if recompute.selective("core_attn"):
+        core = 0
+    masks = 2 * local_s * b * h * dtype_bytes if config.hidden_dropout > 0 else 0
+    attention = norm + column_input + qkv + out + core + masks
     mlp = column_input + 2 * s * b * f // tp * dtype_bytes
     if recompute.selective("mlp"):
         mlp = local_s * b * h * dtype_bytes  # the MLP's input, kept by the recomputation
     return attention + norm + mlp
+
+
+class SavedTensorPeak:
+    """Context manager: the peak bytes of saved-for-backward storages alive at once while it
+    is active (parameters excluded), e.g. over a whole pipelined training step. A storage
+    counts from the first saved tensor that holds it until the last one is released."""
+
+    def __init__(self, parameters: Iterable[torch.nn.Parameter]) -> None:
+        self._params = {p.untyped_storage().data_ptr() for p in parameters}
+        self._holders: dict[int, int] = {}
+        self._sizes: dict[int, int] = {}
+        self.live = self.peak = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, tensor: torch.Tensor) -> object:
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key in self._params:
+            return tensor
+        if self._holders.get(key, 0) == 0:
+            self._sizes[key] = storage.nbytes()
+            self.live += storage.nbytes()
+            self.peak = max(self.peak, self.live)
+        self._holders[key] = self._holders.get(key, 0) + 1
+        return _Held(tensor, self, key)
+
+    @staticmethod
+    def _unpack(held: object) -> torch.Tensor:
+        return held.tensor if isinstance(held, _Held) else held
+
+    def _release(self, key: int) -> None:
+        self._holders[key] -= 1
+        if self._holders[key] == 0:
+            self.live -= self._sizes.pop(key)
+            del self._holders[key]
+
+    def __enter__(self) -> SavedTensorPeak:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.__exit__(*exc)
+
+
+class _Held:
+    """A saved tensor as autograd holds it; tells the counter when autograd lets it go."""
+
+    __slots__ = ("tensor", "_counter", "_key")
+
+    def __init__(self, tensor: torch.Tensor, counter: SavedTensorPeak, key: int) -> None:
+        self.tensor, self._counter, self._key = tensor, counter, key
+
+    def __del__(self) -> None:
+        self._counter._release(self._key)

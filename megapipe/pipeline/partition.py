@@ -8,11 +8,16 @@ to choose the runs, as in Megatron-LM plus one:
   get the given counts and the rest split evenly among the middle stages;
 * balanced: a contiguous split minimising the most expensive stage in FLOPs per token, where
   the last stage also pays for the output layer (2 h V) - the embedding lookup is nearly free -
-  so a big vocabulary does not make the last stage the straggler.
+  so a big vocabulary does not make the last stage the straggler;
+* memory: a contiguous split whose stages' estimated peak memory deviates least from the mean
+  (`stage_memory.MemoryModel`: parameters, gradients, optimizer state, and the activations of
+  the micro-batches each stage keeps in flight), so the first stages of 1F1B, which hold the
+  most micro-batches, get fewer layers.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from megapipe.config import ModelConfig
@@ -104,38 +109,92 @@ def layer_flops_per_token(config: ModelConfig) -> float:
     return float(linear + attention)
 
 
-def balanced_counts(config: ModelConfig, p: int, v: int) -> list[int]:
-    """Contiguous layer counts per virtual stage minimising the costliest stage.
-
-    The last stage also pays for the output layer (2 h V FLOPs per token, plus the loss), so it
-    tends to get fewer transformer layers. Every stage gets at least one layer.
-    """
-    stages = p * v
-    n = config.num_layers
+def min_max_counts(num_layers: int, stages: int, cost: Callable[[int, int], float]) -> list[int]:
+    """Contiguous layer counts (at least one each) minimising the largest `cost(stage, n)`."""
+    n = num_layers
     if n < stages:
         raise ConfigError(f"--num-layers ({n}) is smaller than the {stages} pipeline stages")
-    layer = layer_flops_per_token(config)
-    head = 2.0 * config.hidden_size * config.padded_vocab_size(1)
-    extra = [0.0] * stages
-    extra[-1] += head
-
-    # best[s][k]: minimal max-cost of putting the first k layers on the first s stages
     inf = float("inf")
+    # best[s][k]: minimal max-cost of putting the first k layers on the first s stages
     best = [[inf] * (n + 1) for _ in range(stages + 1)]
     choice = [[0] * (n + 1) for _ in range(stages + 1)]
     best[0][0] = 0.0
     for s in range(1, stages + 1):
         for k in range(s, n - (stages - s) + 1):
             for j in range(s - 1, k):  # stage s-1 takes layers j..k-1
-                cost = max(best[s - 1][j], (k - j) * layer + extra[s - 1])
-                if cost < best[s][k]:
-                    best[s][k], choice[s][k] = cost, j
+                value = max(best[s - 1][j], cost(s - 1, k - j))
+                if value < best[s][k]:
+                    best[s][k], choice[s][k] = value, j
     counts, k = [], n
     for s in range(stages, 0, -1):
         j = choice[s][k]
         counts.append(k - j)
         k = j
     return counts[::-1]
+
+
+def _closest_counts(table: list[list[float]], n: int, target: float) -> list[int]:
+    """Contiguous counts minimising the largest |table[stage][count] - target|."""
+    stages = len(table)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    choice = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, stages + 1):
+        for k in range(s, n - (stages - s) + 1):
+            for j in range(s - 1, k):
+                value = max(best[s - 1][j], abs(table[s - 1][k - j] - target))
+                if value < best[s][k]:
+                    best[s][k], choice[s][k] = value, j
+    counts, k = [], n
+    for s in range(stages, 0, -1):
+        counts.append(k - choice[s][k])
+        k = choice[s][k]
+    return counts[::-1]
+
+
+def even_counts(
+    num_layers: int, stages: int, cost: Callable[[int, int], float], targets: int = 48
+) -> list[int]:
+    """Contiguous layer counts whose stage costs deviate least from their mean (ties: the
+    smaller largest cost). Exact for a given target level, searched over `targets` levels
+    between the cheapest and the dearest stage, and the min-max split's mean."""
+    if num_layers < stages:
+        raise ConfigError(
+            f"--num-layers ({num_layers}) is smaller than the {stages} pipeline stages"
+        )
+    table = [[cost(s, k) if k else 0.0 for k in range(num_layers + 1)] for s in range(stages)]
+
+    def score(counts: list[int]) -> tuple[float, float]:
+        costs = [table[s][k] for s, k in enumerate(counts)]
+        mean = sum(costs) / stages
+        return max(abs(c - mean) for c in costs) / mean, max(costs)
+
+    best = min_max_counts(num_layers, stages, cost)
+    baseline = [table[s][k] for s, k in enumerate(best)]
+    levels = [sum(baseline) / stages]
+    low = min(min(row[1:]) for row in table)
+    high = max(baseline)
+    levels += [low + (high - low) * i / (targets - 1) for i in range(targets)]
+    for level in levels:
+        counts = _closest_counts(table, num_layers, level)
+        if score(counts) < score(best):
+            best = counts
+    return best
+
+
+def balanced_counts(config: ModelConfig, p: int, v: int) -> list[int]:
+    """Contiguous layer counts per virtual stage minimising the costliest stage.
+
+    The last stage also pays for the output layer (2 h V FLOPs per token, plus the loss), so it
+    tends to get fewer transformer layers. Every stage gets at least one layer.
+    """
+    layer = layer_flops_per_token(config)
+    head = 2.0 * config.hidden_size * config.padded_vocab_size(1)
+    last = p * v - 1
+    return min_max_counts(
+        config.num_layers, p * v, lambda stage, n: n * layer + (head if stage == last else 0.0)
+    )
 
 
 def partition_layers(
@@ -146,9 +205,22 @@ def partition_layers(
     method: str = "uniform",
     first: int | None = None,
     last: int | None = None,
+    stage_bytes: Callable[[int, int], float] | None = None,
 ) -> StageMap:
-    """The stage map for a pipeline of p ranks with v chunks each."""
-    if method == "balanced":
+    """The stage map for a pipeline of p ranks with v chunks each.
+
+    stage_bytes: (stage, layers) -> estimated peak bytes, which the memory method needs."""
+    if method == "memory":
+        if v > 1 or first is not None or last is not None:
+            raise ConfigError(
+                "--pipeline-partition memory chooses every stage's layers itself: it cannot "
+                "be combined with virtual pipeline stages or --decoder-first/last-pipeline-num-"
+                "layers"
+            )
+        if stage_bytes is None:
+            raise ValueError("the memory partition needs the stage memory estimate")
+        counts = even_counts(config.num_layers, p, stage_bytes)
+    elif method == "balanced":
         if first is not None or last is not None:
             raise ConfigError(
                 "--decoder-first/last-pipeline-num-layers and the balanced "
@@ -158,7 +230,9 @@ def partition_layers(
     elif method == "uniform":
         counts = uniform_counts(config.num_layers, p, v, first, last)
     else:
-        raise ConfigError(f"pipeline partition method {method!r} is not uniform or balanced")
+        raise ConfigError(
+            f"pipeline partition method {method!r} is not uniform, balanced or memory"
+        )
     stage_map = _from_counts(counts, p, v)
     covered = [i for r in stage_map.stage_ranges() for i in r]
     assert covered == list(range(config.num_layers)), "partition dropped or repeated a layer"

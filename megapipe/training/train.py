@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -12,14 +13,17 @@ from megapipe.data.sources import BatchSources, build_batch_sources
 from megapipe.distributed.grad_buffer import GradBuffer
 from megapipe.distributed.loss_scaler import make_loss_scaler
 from megapipe.distributed.optimizer import ShardedOptimizer
+from megapipe.model.activation_memory import SavedTensorPeak
 from megapipe.model.gpt import GPTModel
 from megapipe.parallel.random import RNGTracker
 from megapipe.parallel.state import ParallelState
 from megapipe.pipeline.executor import PipelineExecutor
 from megapipe.pipeline.model_chunks import activation_shape, build_model_chunks
 from megapipe.pipeline.p2p import P2PCommunicator
-from megapipe.pipeline.partition import StageMap, partition_layers
+from megapipe.pipeline.partition import StageMap
 from megapipe.pipeline.schedules import build_schedule
+from megapipe.pipeline.stage_memory import MemoryModel, measured_line, plan_stages
+from megapipe.pipeline.stage_memory import describe as describe_stage_memory
 from megapipe.pipeline.trace import TraceRecorder, gather_and_write
 from megapipe.training.batch_size import BatchSizeSchedule, batch_size_schedule_of
 from megapipe.training.evaluation import Evaluator
@@ -56,14 +60,15 @@ def build_model_chunks_for(
 
 
 def stage_map_for(configs: Configs) -> StageMap:
-    parallel = configs.parallel
-    return partition_layers(
+    """The run's layer split over pipeline stages (--pipeline-partition)."""
+    return plan_stages(
         configs.model,
-        parallel.pipeline_model_parallel_size,
-        parallel.virtual_pipeline_model_parallel_size,
-        method=parallel.pipeline_partition,
-        first=parallel.decoder_first_pipeline_num_layers,
-        last=parallel.decoder_last_pipeline_num_layers,
+        configs.parallel,
+        micro_batch_size=configs.training.micro_batch_size,
+        num_microbatches=configs.training.num_microbatches(configs.data_parallel_size),
+        optimizer=configs.optimizer,
+        recompute=configs.recompute,
+        data_parallel_size=configs.data_parallel_size,
     )
 
 
@@ -229,8 +234,10 @@ def train(configs: Configs, state: ParallelState) -> list[StepResult]:
         world_size_line(state.world_size, state.dp.size, state.tp.size, state.pp.size),
     )
     stage_map = stage_map_for(configs)
-    if state.pp.size > 1:
+    memory = MemoryModel.of(configs).stages(stage_map) if state.pp.size > 1 else None
+    if memory is not None:
         print_rank_0(state, stage_map.describe())
+        print_rank_0(state, describe_stage_memory(memory))
     chunks = build_model_chunks_for(configs, state, stage_map)
     if state.dp.rank == 0:
         count = sum(p.numel() for chunk in chunks for p in chunk.parameters())
@@ -281,17 +288,25 @@ def train(configs: Configs, state: ParallelState) -> list[StepResult]:
             if step_trace is not None:
                 step_trace.step = iteration
             reporter.start_iteration()
-            result = train_step(
-                chunks,
-                optimizer,
-                executors[m],
-                data.train,
-                batch,
-                state,
-                lr=lr_schedule.lr_at(scheduled / training.global_batch_size),
-                iteration=iteration,
-                trace=step_trace,
+            measuring = memory is not None and not results  # the first iteration of this run
+            saved = (
+                SavedTensorPeak(p for c in chunks for p in c.parameters()) if measuring else None
             )
+            with saved or contextlib.nullcontext():
+                result = train_step(
+                    chunks,
+                    optimizer,
+                    executors[m],
+                    data.train,
+                    batch,
+                    state,
+                    lr=lr_schedule.lr_at(scheduled / training.global_batch_size),
+                    iteration=iteration,
+                    trace=step_trace,
+                )
+            if saved is not None and state.dp.rank == 0 and state.tp.rank == 0:
+                line = measured_line(state.rank, memory[state.pp.rank], saved.peak, state.device)
+                print(line, flush=True)
             results.append(result)
             consumed += batch_size
             scheduled += 0 if result.skipped else batch_size  # Megatron skips skipped steps

@@ -1,0 +1,278 @@
+"""Memory per pipeline stage: parameters, gradients, optimizer state and peak activations.
+
+Stages differ in memory even with equal layer counts: in 1F1B, stage i keeps up to min(p - i,
+m) micro-batches in flight (the simulator counts them for any schedule), the first stage holds
+the word (and position) embeddings and the last the final norm, the output layer and the loss.
+This module estimates each stage's bytes from the configs alone (before any model exists), so
+rank 0 can print the table at start-up and `--pipeline-partition memory` can choose layer
+counts that even it out.
+
+Bytes per parameter: the parameter in its dtype, its fp32 `main_grad`, and the optimizer's
+fp32 state (Adam: two moments; SGD: momentum; plus an fp32 master copy under bf16/fp16),
+divided over data-parallel ranks with --use-distributed-optimizer. Activations per micro-batch:
+`model/activation_memory.layer_activation_bytes` per layer (recomputation included), plus on
+the last stage the final norm's and output layer's inputs and the fp32 logits (twice under TP:
+the vocabulary-parallel cross-entropy keeps its own copy). The numbers are per rank of a stage (TP-sharded).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from megapipe.config import (
+    Configs,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    RecomputeConfig,
+)
+from megapipe.model.activation_memory import layer_activation_bytes
+from megapipe.pipeline.partition import StageMap, partition_layers
+from megapipe.pipeline.simulator import simulate_kind
+
+_MB = 1024.0 * 1024.0
+
+
+def layer_parameters(config: ModelConfig, tp: int) -> int:
+    """Parameters of one transformer layer on one TP rank."""
+    h, f, d = config.hidden_size, config.ffn_hidden_size, config.head_dim
+    qkv = (config.num_attention_heads + 2 * config.num_query_groups) * d
+    fc1 = f * (2 if config.swiglu else 1)
+    weights = (h * qkv + config.num_attention_heads * d * h + h * fc1 + f * h) // tp
+    biases = (qkv + fc1) // tp + 2 * h if config.add_bias_linear else 0
+    norms = 2 * h * (2 if config.normalization == "LayerNorm" else 1)
+    return weights + biases + norms
+
+
+def stage_parameters(config: ModelConfig, layers: int, first: bool, last: bool, tp: int) -> int:
+    """Parameters one TP rank of a stage holds: its layers, and the embedding / output layer
+    (with tied embeddings a last stage that is not also the first holds a copy)."""
+    h, vocab = config.hidden_size, config.padded_vocab_size(tp)
+    count = layers * layer_parameters(config, tp)
+    if first:
+        count += vocab * h // tp
+        if config.position_embedding_type == "learned_absolute":
+            count += config.max_position_embeddings * h
+    if last:
+        count += h * (2 if config.normalization == "LayerNorm" else 1)
+        tied = not config.untie_embeddings_and_output_weights
+        if not (tied and first):
+            count += vocab * h // tp
+    return count
+
+
+def bytes_per_parameter(optimizer: OptimizerConfig, dp: int) -> tuple[int, int, float]:
+    """(parameter, gradient, optimizer-state) bytes per parameter on one rank."""
+    param = 2 if optimizer.bf16 or optimizer.fp16 else 4
+    states = 2 if optimizer.optimizer == "adam" else (1 if optimizer.sgd_momentum else 0)
+    state = 4 * states + (4 if param == 2 else 0)
+    return param, 4, state / (dp if optimizer.use_distributed_optimizer else 1)
+
+
+def head_activation_bytes(
+    config: ModelConfig, micro_batch: int, tp: int, sp: bool, dtype_bytes: int
+) -> int:
+    """The last stage's extra activations per micro-batch: the final norm's and the output
+    layer's inputs and the fp32 logits (twice under TP)."""
+    s, b, h = config.seq_length, micro_batch, config.hidden_size
+    local_s = s // tp if sp and tp > 1 else s
+    norm = local_s * b * h * dtype_bytes + local_s * b * 4 * 2
+    logits = s * b * config.padded_vocab_size(tp) // tp * 4
+    return norm + local_s * b * h * dtype_bytes + logits * (2 if tp > 1 else 1)
+
+
+def stage_activation_bytes(
+    config: ModelConfig,
+    micro_batch: int,
+    tp: int,
+    sp: bool,
+    recompute: RecomputeConfig,
+    layers: int,
+    first: bool,
+    last: bool,
+    dtype_bytes: int,
+) -> int:
+    """Activations one micro-batch leaves on a stage of `layers` layers until its backward."""
+    kept = partial = 0
+    if recompute.full:
+        n = recompute.num_layers or 1
+        groups = min(n, layers) if recompute.method == "block" else math.ceil(layers / n)
+        kept = layers - min(n, layers) if recompute.method == "block" else 0
+        partial = groups
+    else:
+        kept = layers
+    full_layer = layer_activation_bytes(
+        config, micro_batch, tp, sequence_parallel=sp, dtype_bytes=dtype_bytes,
+        recompute=RecomputeConfig() if recompute.full else recompute,
+    )  # fmt: skip
+    group_input = layer_activation_bytes(
+        config, micro_batch, tp, sequence_parallel=sp, dtype_bytes=dtype_bytes,
+        recompute=RecomputeConfig("full", "uniform", 1),
+    )  # fmt: skip
+    head = head_activation_bytes(config, micro_batch, tp, sp, dtype_bytes) if last else 0
+    if first and config.hidden_dropout > 0:  # the embedding dropout's keep-mask
+        local_s = config.seq_length // tp if sp and tp > 1 else config.seq_length
+        head += local_s * micro_batch * config.hidden_size * dtype_bytes
+    return kept * full_layer + partial * group_input + head
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """One stage's estimated bytes per rank."""
+
+    stage: int
+    layers: int
+    parameters: int
+    parameter_bytes: float
+    gradient_bytes: float
+    optimizer_bytes: float
+    activation_bytes: float  # peak: per micro-batch x micro-batches in flight
+    in_flight: int
+
+    @property
+    def total_bytes(self) -> float:
+        return (
+            self.parameter_bytes
+            + self.gradient_bytes
+            + self.optimizer_bytes
+            + self.activation_bytes
+        )
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """Everything the estimate needs, so it can be evaluated for any layer counts."""
+
+    config: ModelConfig
+    parallel: ParallelConfig
+    optimizer: OptimizerConfig
+    recompute: RecomputeConfig
+    micro_batch_size: int
+    num_microbatches: int
+    data_parallel_size: int
+
+    @classmethod
+    def of(cls, configs: Configs) -> MemoryModel:
+        """The estimate for a run's settled configs."""
+        dp, training = configs.data_parallel_size, configs.training
+        return cls(configs.model, configs.parallel, configs.optimizer, configs.recompute,
+                   training.micro_batch_size, training.num_microbatches(dp), dp)  # fmt: skip
+
+    def in_flight(self) -> list[int]:
+        """Peak micro-batches (chunk forwards) each pipeline rank holds, from the simulator."""
+        parallel = self.parallel
+        p, v = parallel.pipeline_model_parallel_size, parallel.virtual_pipeline_model_parallel_size
+        if p == 1:
+            return [1]
+        return simulate_kind(parallel.schedule, p, v, self.num_microbatches).peak_in_flight
+
+    def stage(self, index: int, chunks: list[int], in_flight: int) -> StageMemory:
+        """Pipeline rank `index` holding model chunks of these layer counts. Activations: the
+        peak chunk forwards in flight times the chunks' mean activations per micro-batch."""
+        p = self.parallel.pipeline_model_parallel_size
+        tp, sp = self.parallel.tensor_model_parallel_size, self.parallel.sequence_parallel
+        first, last = index == 0, index == p - 1
+        layers = sum(chunks)
+        count = stage_parameters(self.config, layers, first, last, tp)
+        param, grad, state = bytes_per_parameter(self.optimizer, self.data_parallel_size)
+        per_chunk = [
+            stage_activation_bytes(
+                self.config,
+                self.micro_batch_size,
+                tp,
+                sp,
+                self.recompute,
+                n,
+                first and c == 0,
+                last and c == len(chunks) - 1,
+                param,
+            )
+            for c, n in enumerate(chunks)
+        ]
+        activations = sum(per_chunk) / len(per_chunk) * in_flight
+        return StageMemory(index, layers, count, count * param, count * grad, count * state,
+                           activations, in_flight)  # fmt: skip
+
+    def stages(self, stage_map: StageMap) -> list[StageMemory]:
+        """The estimate for every pipeline rank of `stage_map`."""
+        flights = self.in_flight()
+        return [
+            self.stage(rank, [len(chunk) for chunk in chunks], flights[rank])
+            for rank, chunks in enumerate(stage_map.layers)
+        ]
+
+    def stage_bytes(self) -> Callable[[int, int], float]:
+        """(stage, layers) -> total bytes, for the memory partition."""
+        flights = self.in_flight()
+        return lambda index, layers: self.stage(index, [layers], flights[index]).total_bytes
+
+
+def deviation(stages: list[StageMemory]) -> float:
+    """The largest relative distance of a stage's total from the mean."""
+    totals = [s.total_bytes for s in stages]
+    mean = sum(totals) / len(totals)
+    return max(abs(t - mean) for t in totals) / mean
+
+
+def describe(stages: list[StageMemory], measured: list[float | None] | None = None) -> str:
+    """The per-stage table rank 0 prints (MiB per rank of the stage)."""
+    header = (
+        "memory per pipeline stage (MiB per rank, estimated): stage | layers | parameters | "
+        "params | grads | optimizer | activations (in flight) | total"
+    )
+    lines = [header]
+    for i, s in enumerate(stages):
+        line = (
+            f"  {s.stage:5d} | {s.layers:6d} | {s.parameters:10d} | "
+            f"{s.parameter_bytes / _MB:8.1f} | {s.gradient_bytes / _MB:8.1f} | "
+            f"{s.optimizer_bytes / _MB:9.1f} | "
+            f"{s.activation_bytes / _MB:8.1f} ({s.in_flight}) | {s.total_bytes / _MB:8.1f}"
+        )
+        if measured is not None and measured[i] is not None:
+            line += f" | measured activations {measured[i] / _MB:.1f}"
+        lines.append(line)
+    lines.append(f"  largest deviation of a stage's total from the mean: {deviation(stages):.1%}")
+    return "\n".join(lines)
+
+
+def measured_line(rank: int, estimate: StageMemory, saved_peak: int, device) -> str:
+    """After the first iteration: this stage's measured peak next to the estimate (CUDA: the
+    allocator's max allocated against the total; CPU: the peak saved-activation bytes)."""
+    import torch
+
+    where = f"[Rank {rank}] pipeline stage {estimate.stage} after 1 iteration:"
+    if device.type == "cuda":
+        allocated = torch.cuda.max_memory_allocated(device)
+        return (f"{where} max allocated {allocated / _MB:.1f} MiB (estimate "
+                f"{estimate.total_bytes / _MB:.1f} MiB)")  # fmt: skip
+    return (f"{where} peak saved activations {saved_peak / _MB:.2f} MiB (estimate "
+            f"{estimate.activation_bytes / _MB:.2f} MiB)")  # fmt: skip
+
+
+def plan_stages(
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    *,
+    micro_batch_size: int,
+    num_microbatches: int,
+    optimizer: OptimizerConfig,
+    recompute: RecomputeConfig,
+    data_parallel_size: int,
+) -> StageMap:
+    """The run's stage map by --pipeline-partition (memory: from this module's estimate)."""
+    stage_bytes = None
+    if parallel.pipeline_partition == "memory":
+        estimate = MemoryModel(model, parallel, optimizer, recompute, micro_batch_size,
+                               num_microbatches, data_parallel_size)  # fmt: skip
+        stage_bytes = estimate.stage_bytes()
+    return partition_layers(
+        model,
+        parallel.pipeline_model_parallel_size,
+        parallel.virtual_pipeline_model_parallel_size,
+        method=parallel.pipeline_partition,
+        first=parallel.decoder_first_pipeline_num_layers,
+        last=parallel.decoder_last_pipeline_num_layers,
+        stage_bytes=stage_bytes,
+    )

@@ -1,0 +1,106 @@
+"""Memory per pipeline stage (megapipe/pipeline/stage_memory.py) and --pipeline-partition
+memory: the parameter counts are the built models' own, the activation estimate matches the
+peak of saved tensors measured over a real PP2 iteration, the memory partition evens GPT-3
+1.3B's stages out as well as any contiguous split can, and it trains to uniform's losses."""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+import pytest
+
+from megapipe.checkpointing.convert import build_rank
+from megapipe.config import ModelConfig, OptimizerConfig, ParallelConfig, RecomputeConfig
+from megapipe.errors import ConfigError
+from megapipe.pipeline.partition import partition_layers, uniform_counts
+from megapipe.pipeline.stage_memory import MemoryModel, deviation, stage_parameters
+from megapipe.testing import run_distributed, train_with_flags
+
+GPT3_1_3B = ModelConfig(
+    num_layers=24, hidden_size=2048, num_attention_heads=16, vocab_size=50257, seq_length=2048,
+    max_position_embeddings=2048,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [{}, {"untie_embeddings_and_output_weights": True, "position_embedding_type": "rope",
+          "normalization": "RMSNorm", "swiglu": True, "add_bias_linear": False,
+          "num_query_groups": 2}],
+    ids=["gpt", "llama"],
+)  # fmt: skip
+def test_parameter_counts_are_the_built_models(shape: dict) -> None:
+    config = ModelConfig(num_layers=6, hidden_size=32, num_attention_heads=4, vocab_size=100,
+                         seq_length=16, max_position_embeddings=16, **shape)  # fmt: skip
+    for tp, ranges in ((2, [range(0, 2), range(2, 5), range(5, 6)]), (1, [range(0, 6)])):
+        pp = len(ranges)
+        for stage, layers in enumerate(ranges):
+            (model,) = build_rank(config, 0, tp, stage, [layers], pp)
+            built = sum(p.numel() for p in model.parameters())
+            assert stage_parameters(config, len(layers), stage == 0, stage == pp - 1, tp) == built
+
+
+ARGV = [
+    "--num-layers", "6", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length",
+    "64", "--mock-data", "--vocab-size", "100", "--micro-batch-size", "4",
+    "--global-batch-size", "16", "--train-iters", "2", "--lr", "1e-3", "--eval-iters", "0",
+    "--pipeline-model-parallel-size", "2", "--log-interval", "1",
+]  # fmt: skip
+MEASURED = re.compile(r"peak saved activations (\S+) MiB \(estimate (\S+) MiB\)")
+
+
+def _run(rank: int, world: int, argv: list[str]) -> tuple[list[float], str]:
+    results, out = train_with_flags(rank, world, argv)
+    return [r.lm_loss for r in results], out
+
+
+def test_estimate_matches_the_measured_peak_and_memory_partition_trains_alike() -> None:
+    uniform = run_distributed(_run, 2, ARGV)
+    memory = run_distributed(_run, 2, ARGV + ["--pipeline-partition", "memory"])
+    for rank in range(2):
+        measured, estimate = map(float, MEASURED.search(uniform[rank][1]).groups())
+        print(f"\nstage {rank}: measured {measured} MiB, estimated {estimate} MiB")
+        assert abs(measured - estimate) <= 0.05 * measured
+    table = memory[0][1]
+    assert "memory per pipeline stage" in table and "largest deviation" in table
+    layer_map = re.findall(r"\((\d), 0\): \S+ \((\d) layers\)", table)
+    assert [int(n) for _, n in layer_map] != [3, 3]  # stage 0 holds 2 micro-batches: fewer layers
+    for ours, theirs in zip(memory[0][0], uniform[0][0]):  # same model, other split
+        assert abs(ours - theirs) <= 1e-5 * abs(theirs)
+
+
+def _best_possible(model: MemoryModel, p: int) -> float:
+    """The smallest deviation of any contiguous split (brute force)."""
+    cost = model.stage_bytes()
+    table = [[cost(s, n) if n else 0.0 for n in range(25)] for s in range(p)]
+    best = float("inf")
+    for cuts in itertools.combinations(range(1, 24), p - 1):
+        counts = [b - a for a, b in zip((0, *cuts), (*cuts, 24))]
+        totals = [table[s][n] for s, n in enumerate(counts)]
+        mean = sum(totals) / p
+        best = min(best, max(abs(t - mean) for t in totals) / mean)
+    return best
+
+
+@pytest.mark.parametrize("p", [4, 8])
+def test_memory_partition_evens_out_gpt3_1_3b(p: int) -> None:
+    model = MemoryModel(GPT3_1_3B, ParallelConfig(pipeline_model_parallel_size=p),
+                        OptimizerConfig(bf16=True), RecomputeConfig(), 1, 32, 1)  # fmt: skip
+    before = deviation(model.stages(partition_layers(GPT3_1_3B, p)))
+    chosen = partition_layers(GPT3_1_3B, p, method="memory", stage_bytes=model.stage_bytes())
+    after = deviation(model.stages(chosen))
+    print(f"\nGPT-3 1.3B PP={p}: deviation from the mean {before:.1%} uniform, {after:.1%} memory")
+    assert after < before
+    assert after <= _best_possible(model, p) + 1e-9
+    if p == 4:
+        assert after < 0.15
+    assert uniform_counts(24, p, 1) != [len(c[0]) for c in chosen.layers]
+
+
+def test_memory_partition_refuses_virtual_stages() -> None:
+    from megapipe.arguments import parse_args
+
+    with pytest.raises(ConfigError, match="--pipeline-partition memory chooses every stage"):
+        parse_args(ARGV + ["--pipeline-partition", "memory",
+                           "--num-layers-per-virtual-pipeline-stage", "1"], 2)  # fmt: skip
