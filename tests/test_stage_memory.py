@@ -19,7 +19,7 @@ from megapipe.testing import run_distributed, train_with_flags
 
 GPT3_1_3B = ModelConfig(
     num_layers=24, hidden_size=2048, num_attention_heads=16, vocab_size=50257, seq_length=2048,
-    max_position_embeddings=2048,
+    max_position_embeddings=2048, attention_dropout=0.0,
 )  # fmt: skip
 
 
