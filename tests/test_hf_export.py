@@ -249,6 +249,9 @@ def test_combination_without_transformers_equivalent_is_refused(trained, tmp_pat
     assert list(tmp_path.iterdir()) == []  # not even a temporary directory
 
 
+ONE_MODEL = pytest.mark.parametrize("trained", ["gpt2"], indirect=True)  # enough for bad input
+
+
 def _one_error_line(capsys) -> str:
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
@@ -310,10 +313,9 @@ BAD_GPT2 = {
 
 
 @pytest.mark.parametrize("case", sorted(BAD_GPT2))
+@ONE_MODEL
 def test_bad_hugging_face_input_is_one_line_and_writes_nothing(case, trained, tmp_path, capsys):
     kind, root = trained
-    if kind != "gpt2":
-        pytest.skip("one model is enough")
     config, tensors, says = BAD_GPT2[case]
     bad = _bad_copy(root / "hf", tmp_path / "bad", config, tensors)
     capsys.readouterr()
@@ -323,10 +325,9 @@ def test_bad_hugging_face_input_is_one_line_and_writes_nothing(case, trained, tm
     assert not (tmp_path / "mp").exists()
 
 
+@ONE_MODEL
 def test_a_corrupt_shard_and_a_broken_index_are_named(trained, tmp_path, capsys) -> None:
     kind, root = trained
-    if kind != "gpt2":
-        pytest.skip("one model is enough")
     bad = tmp_path / "bad"
     assert tool("--saver", "hf", "--load-dir", str(root / "ckpt"), "--save-dir", str(bad),
                 "--max-shard-size", "20KB") == 0  # fmt: skip
@@ -345,10 +346,9 @@ def test_a_corrupt_shard_and_a_broken_index_are_named(trained, tmp_path, capsys)
     assert not (tmp_path / "mp").exists()
 
 
+@ONE_MODEL
 def test_a_target_layout_that_does_not_fit_is_refused(trained, tmp_path, capsys) -> None:
     kind, root = trained
-    if kind != "gpt2":
-        pytest.skip("one model is enough")
     capsys.readouterr()
     mp = str(tmp_path / "mp")
     assert tool("--loader", "hf", "--load-dir", str(root / "hf"), "--save-dir", mp,
@@ -357,10 +357,9 @@ def test_a_target_layout_that_does_not_fit_is_refused(trained, tmp_path, capsys)
     assert not (tmp_path / "mp").exists()
 
 
+@ONE_MODEL
 def test_export_never_leaves_a_directory_that_looks_loadable(trained, tmp_path, capsys) -> None:
     kind, root = trained
-    if kind != "gpt2":
-        pytest.skip("one model is enough")
     out = tmp_path / "out"
     capsys.readouterr()
     assert tool("--saver", "hf", "--load-dir", str(root / "ckpt"), "--save-dir", str(out),
