@@ -125,7 +125,8 @@ MINIMAL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", 
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--recompute-method", "block"], "--recompute-method block needs --recompute-granularity full"),
+        (["--recompute-method", "block"],
+         "--recompute-method block needs --recompute-granularity full"),
         (["--recompute-granularity", "selective", "--recompute-num-layers", "2"],
          "--recompute-num-layers 2 needs --recompute-granularity full"),
         (["--recompute-granularity", "full", "--recompute-num-layers", "1"],

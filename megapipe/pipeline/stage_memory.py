@@ -10,9 +10,10 @@ counts that even it out.
 Bytes per parameter: the parameter in its dtype, its fp32 `main_grad`, and the optimizer's
 fp32 state (Adam: two moments; SGD: momentum; plus an fp32 master copy under bf16/fp16),
 divided over data-parallel ranks with --use-distributed-optimizer. Activations per micro-batch:
-`model/activation_memory.layer_activation_bytes` per layer (recomputation included), plus on
-the last stage the final norm's and output layer's inputs and the fp32 logits (twice under TP:
-the vocabulary-parallel cross-entropy keeps its own copy). The numbers are per rank of a stage (TP-sharded).
+`model/activation_memory.layer_activation_bytes` per layer (recomputation included), plus
+on the last stage the final norm's and output layer's inputs and the fp32 logits (twice
+under TP: the vocabulary-parallel cross-entropy keeps its own copy). The numbers are per
+rank of a stage (TP-sharded).
 """
 
 from __future__ import annotations
