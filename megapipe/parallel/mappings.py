@@ -15,18 +15,31 @@ collective with its adjoint in backward:
 
 Activations are [sequence, batch, hidden], so sequence-parallel shards are contiguous slices.
 Every function returns its input unchanged for a group of one: TP=1 pays nothing.
+
+The asynchronous `start_*` helpers (plain tensors, no autograd) let a caller overlap a
+collective with its own compute.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from megapipe.parallel.state import Group
 
-# torch >= 2.13 renamed the single-tensor collectives; keep working on older releases too.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+# torch >= 2.13 renamed the single-tensor collectives; keep working on older releases too. Looked
+# up at each call, so that whatever wraps torch.distributed (a profiler, a test's counter) sees it.
+def _all_gather_single(out: torch.Tensor, x: torch.Tensor, *, group, async_op: bool = False):
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, x, group=group, async_op=async_op)
+
+
+def _reduce_scatter_single(out: torch.Tensor, x: torch.Tensor, *, group, async_op: bool = False):
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(out, x, group=group, async_op=async_op)
 
 
 def all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -64,6 +77,49 @@ def reduce_scatter_along(x: torch.Tensor, dim: int, group: Group) -> torch.Tenso
     out = x.new_empty((x.shape[0] // group.size, *x.shape[1:]))
     _reduce_scatter_single(out, x, group=group.pg)
     return out.movedim(0, dim).contiguous()
+
+
+@dataclass
+class Pending:
+    """A collective started with async_op=True: `wait()` returns its result once it is done."""
+
+    tensor: torch.Tensor
+    work: dist.Work | None = None
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return self.tensor
+
+
+def start_all_reduce(x: torch.Tensor, group: Group) -> Pending:
+    """Start summing `x` over the group, in place (x must be contiguous and owned)."""
+    if group.size == 1:
+        return Pending(x)
+    return Pending(x, dist.all_reduce(x, group=group.pg, async_op=True))
+
+
+def start_all_gather_sequence(x: torch.Tensor, group: Group) -> Pending:
+    """Start concatenating every rank's `x` along dim 0 (the sequence), in rank order."""
+    if group.size == 1:
+        return Pending(x)
+    x = x.contiguous()
+    out = x.new_empty((x.shape[0] * group.size, *x.shape[1:]))
+    return Pending(out, _all_gather_single(out, x, group=group.pg, async_op=True))
+
+
+def start_reduce_scatter_sequence(x: torch.Tensor, group: Group) -> Pending:
+    """Start summing `x` over the group, keeping this rank's slice of dim 0."""
+    if group.size == 1:
+        return Pending(x)
+    if x.shape[0] % group.size:
+        raise ValueError(
+            f"dimension 0 of size {x.shape[0]} does not reduce-scatter over {group.size} ranks"
+        )
+    x = x.contiguous()
+    out = x.new_empty((x.shape[0] // group.size, *x.shape[1:]))
+    return Pending(out, _reduce_scatter_single(out, x, group=group.pg, async_op=True))
 
 
 class _CopyToRegion(torch.autograd.Function):
