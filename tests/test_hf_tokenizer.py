@@ -7,12 +7,13 @@ differently, get a line instead of files."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from megapipe.checkpointing.hf_sentencepiece import UNIGRAM_CAVEAT
-from megapipe.checkpointing.hf_tokenizer import write_tokenizer_files
+from megapipe.checkpointing.hf_tokenizer import eod_id, write_tokenizer_files
 from megapipe.data.tokenizer_training import TokenizerTrainingOptions, train_sentencepiece
 from megapipe.data.tokenizers import TokenizerSpec, build_tokenizer
 from tests.test_checkpoint_resume import MODEL, NO_DROPOUT, run
@@ -50,6 +51,18 @@ def test_gpt2_bpe_files_tokenize_as_megapipe_does(trained: Path, tmp_path: Path)
     spec = TokenizerSpec("GPT2BPETokenizer", vocab_file=vocab, merge_file=merges)
     theirs, ours = _ids_after_export(args, spec, tmp_path / "hf")
     assert theirs == ours and len(ours) > 10
+
+
+def test_the_eod_id_is_the_runs(trained: Path) -> None:
+    vocab, merges = str(trained / "vocab.json"), str(trained / "merges.txt")
+    args = {"tokenizer_type": "None", "vocab_file": repr(vocab), "merge_file": repr(merges)}
+    spec = TokenizerSpec("GPT2BPETokenizer", vocab_file=vocab, merge_file=merges)
+    expected = json.loads((trained / "vocab.json").read_text())["<|endoftext|>"]
+    assert eod_id(args, 600) == expected == build_tokenizer(spec).eod
+    assert eod_id(args, expected) is None  # an id the model cannot write is no eos
+    assert eod_id({"tokenizer_type": "None"}, 600) is None
+    null = {"tokenizer_type": repr("NullTokenizer"), "vocab_size": "99"}
+    assert eod_id(null, 100) == 99
 
 
 def test_a_tokenizer_json_tokenizes_as_megapipe_does(trained: Path, tmp_path: Path) -> None:

@@ -31,7 +31,7 @@ from megapipe.checkpointing import atomic_dir
 from megapipe.checkpointing.convert import Say, Source, read_source, resolve
 from megapipe.checkpointing.errors import CheckpointError
 from megapipe.checkpointing.hf_safetensors import DEFAULT_MAX_SHARD_SIZE, parse_size, write_weights
-from megapipe.checkpointing.hf_tokenizer import write_tokenizer_files
+from megapipe.checkpointing.hf_tokenizer import eod_id, write_tokenizer_files
 from megapipe.config import ModelConfig
 from megapipe.errors import ConfigError
 
@@ -236,6 +236,11 @@ def export_source(
         raise CheckpointError(f"checkpoint {source.directory}: no tensor {error}") from None
     tensors = {k: v.contiguous().clone() for k, v in tensors.items()}
     hf = hf_config(config, source.tensors[WORD].dtype)
+    eod = eod_id(source.args, config.vocab_size)
+    if eod is not None:  # transformers' generate then stops where megapipe's does
+        hf["eos_token_id"] = eod
+        if arch == "gpt2":
+            hf["bos_token_id"] = eod  # GPT-2's convention: <|endoftext|> is both
     save_dir = os.path.abspath(save_dir)
     _check_replaceable(save_dir)
     atomic_dir.clear_stale(save_dir)

@@ -35,6 +35,26 @@ def _copy(source: str, save_dir: str, name: str) -> None:
     shutil.copyfile(source, os.path.join(save_dir, name))
 
 
+def eod_id(args: dict[str, str], vocab_size: int) -> int | None:
+    """The run's end-of-document id (for config.json's eos_token_id, so that transformers'
+    `generate` stops where megapipe's does), or None without a tokenizer that has one."""
+    from megapipe.data.errors import TokenizerError
+    from megapipe.data.tokenizers import TokenizerSpec, build_tokenizer
+
+    kind = _arg(args, "tokenizer_type")
+    vocab, merges, model = (_arg(args, n) for n in ("vocab_file", "merge_file", "tokenizer_model"))
+    if kind is None and vocab and merges:
+        kind = "GPT2BPETokenizer"
+    if kind is None:
+        return None
+    spec = TokenizerSpec(kind, model, vocab, merges, _arg(args, "vocab_size"))
+    try:
+        eod = build_tokenizer(spec).eod
+    except (TokenizerError, OSError, ValueError):
+        return None
+    return eod if eod is not None and 0 <= eod < vocab_size else None
+
+
 def write_tokenizer_files(
     args: dict[str, str], save_dir: str, say: Callable[[str], None] = print
 ) -> str | None:
