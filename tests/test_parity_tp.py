@@ -14,6 +14,7 @@ import torch
 
 from megapipe.config import ModelConfig
 from megapipe.distributed import finalize_model_grads, global_grad_norm
+from megapipe.layers import linear_function
 from megapipe.layers.cross_entropy import masked_mean
 from megapipe.model import GPTModel
 from megapipe.parallel import mappings
@@ -118,9 +119,17 @@ def test_tensor_parallel_matches_single_rank(variant, tp, sequence_parallel):
 
 
 def _broken(rank, world, variant, sequence_parallel, which):
-    """The same parity run with one mapping deliberately broken (patched in this rank only)."""
+    """The same parity run with one collective deliberately broken (patched in this rank only)."""
     if which == "no-backward-all-reduce":  # Megatron's f without its all-reduce
-        mappings._CopyToRegion.backward = staticmethod(lambda ctx, grad: (grad, None))
+        linear_function.start_all_reduce = lambda x, group: mappings.Pending(x)
+    elif which == "no-backward-reduce-scatter":  # SP: split the input gradient without a sum
+        linear_function.start_reduce_scatter_sequence = lambda x, group: mappings.Pending(
+            mappings.split_along(x, 0, group)
+        )
+    elif which == "backward-gather-repeats-the-shard":  # SP: dW from a wrong sequence
+        linear_function.start_all_gather_sequence = lambda x, group: mappings.Pending(
+            torch.cat([x] * group.size)
+        )
     elif which == "no-reduce-scatter-sum":  # SP: split the sequence without summing partials
         mappings._ReduceScatterSequence.forward = staticmethod(
             lambda ctx, x, group: (setattr(ctx, "group", group), mappings.split_along(x, 0, group))[
@@ -135,6 +144,8 @@ def _broken(rank, world, variant, sequence_parallel, which):
     [
         ("no-backward-all-reduce", False, "grads"),
         ("no-reduce-scatter-sum", True, "logits"),
+        ("no-backward-reduce-scatter", True, "grads"),
+        ("backward-gather-repeats-the-shard", True, "grads"),
     ],
 )
 def test_a_broken_mapping_fails_parity(which, sequence_parallel, kind):

@@ -3,7 +3,15 @@
 Each model chunk gets one `GradBuffer`: every parameter's fp32 gradient (`param.main_grad`) and
 its data are views into two flat buffers laid out the same way, split into buckets of about
 `bucket_size` elements, in reverse parameter order (roughly the order backward produces them).
-A post-accumulate-grad hook adds each fresh gradient into `main_grad` and frees `param.grad`.
+
+Every gradient enters through one call, `accumulate(param, ...)`, which adds it into `main_grad`
+and counts it toward its bucket. Layers that own their backward (TP linears, the embedding;
+`layers/weight_grad.py`) call it themselves, once per claiming layer and micro-batch, and
+give autograd nothing for their parameters: no gradient of theirs depends on an autograd hook.
+Every other parameter (norms, row-parallel biases, position embeddings) gets its gradient from
+autograd, and a post-accumulate-grad hook hands it to `accumulate` and frees `param.grad`.
+A gradient arriving for a bucket whose reduction has started, or a reduction while a deferred
+weight gradient is still queued, raises instead of losing a contribution.
 
 Synchronisation per bucket, over the data-parallel group, pre-scaled by 1/DP (an average):
 * plain data parallelism: all-reduce; every rank then holds the whole averaged gradient;
@@ -25,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from megapipe.layers.weight_grad import pending_weight_grads, weight_grad_claims
 from megapipe.parallel.mappings import _all_gather_single, _reduce_scatter_single
 from megapipe.parallel.state import Group
 
@@ -100,6 +109,8 @@ class GradBuffer:
         self.param_data = torch.zeros(self.numel, dtype=dtype, device=device)
         self._bucket_of: dict[int, Bucket] = {}
         self._accumulated: dict[int, int] = {}
+        # accumulate() calls per micro-batch: one per claiming layer, else autograd's one
+        self._per_microbatch = {id(p): max(1, weight_grad_claims(p)) for p in self.params}
         for bucket in self.buckets:
             for param in bucket.params:
                 lo = offsets[id(param)]
@@ -108,6 +119,7 @@ class GradBuffer:
                 param.data = view
                 param.main_grad = self.grad_data[lo : lo + param.numel()].view_as(param)
                 param.buffer_offset = lo
+                param.grad_buffer = self
                 self._bucket_of[id(param)] = bucket
                 param.register_post_accumulate_grad_hook(self._on_grad)
         self.reset()
@@ -129,12 +141,52 @@ class GradBuffer:
             bucket.work = bucket.scattered = None
 
     def _on_grad(self, param: torch.nn.Parameter) -> None:
-        param.main_grad.add_(param.grad)
-        param.grad = None
-        self._accumulated[id(param)] += 1
-        if self.overlap and self._accumulated[id(param)] == self.num_microbatches:
-            bucket = self._bucket_of[id(param)]
-            bucket.pending.discard(id(param))
+        """Autograd accumulated a gradient into `param.grad`: move it into main_grad."""
+        grad, param.grad = param.grad, None
+        if grad is None:  # a claiming layer delivered it through accumulate() already
+            return
+        if weight_grad_claims(param):
+            raise RuntimeError(
+                f"a parameter of shape {tuple(param.shape)} whose gradient its layers deliver "
+                "themselves also got one from autograd: it is used outside the layers that "
+                "claim it (layers/weight_grad.py)"
+            )
+        self.accumulate(param, grad)
+
+    def accumulate(
+        self,
+        param: torch.nn.Parameter,
+        grad: torch.Tensor | None = None,
+        *,
+        factors: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        """Add one micro-batch's gradient of `param` into its fp32 main_grad and count it.
+
+        grad: the gradient; or factors (grad_output [n, out], input [n, in]) of a linear
+        weight's gradient, multiplied straight into main_grad (fp32 addmm, Megatron's
+        --gradient-accumulation-fusion: bf16/fp16 factors are widened, so the products are
+        summed in fp32). With overlap, the bucket's reduction starts once each of its
+        parameters has had all of this step's contributions.
+        """
+        bucket = self._bucket_of[id(param)]
+        if bucket.started:
+            raise RuntimeError(
+                f"a gradient of a parameter of shape {tuple(param.shape)} arrived after its "
+                "bucket's reduction started (deferred weight gradients must be computed before "
+                "finish_grad_sync)"
+            )
+        if factors is None:
+            param.main_grad.add_(grad)
+        else:
+            grad_output, inputs = factors
+            main = param.main_grad.view(grad_output.shape[-1], inputs.shape[-1])
+            main.addmm_(grad_output.t().to(main.dtype), inputs.to(main.dtype))
+        key = id(param)
+        self._accumulated[key] += 1
+        if self.overlap and self._accumulated[key] == (
+            self.num_microbatches * self._per_microbatch[key]
+        ):
+            bucket.pending.discard(key)
             if not bucket.pending:
                 self._start(bucket)
 
@@ -155,6 +207,12 @@ class GradBuffer:
 
     def finish_grad_sync(self) -> None:
         """Start what has not started, wait for every bucket, put shards in place."""
+        queued = sum(pending_weight_grads(p) for p in self.params)
+        if queued:
+            raise RuntimeError(
+                f"{queued} deferred weight gradients of this buffer's parameters are still "
+                "queued: call WeightGradStore.compute_weight_grads() before finish_grad_sync"
+            )
         self._finishing = True
         for bucket in self.buckets:
             if not bucket.started:

@@ -1,22 +1,29 @@
 """Column- and row-parallel linear layers (Megatron-LM's tensor-parallel MLP/attention halves).
 
 ColumnParallelLinear splits the output features across TP ranks (Y = X [A_1 .. A_t]); its input
-enters the TP region through `copy_to_tp_region` (all-reduce of the input gradient) or, with
-sequence parallelism, through an all-gather of the sequence. RowParallelLinear splits the input
+enters the TP region as Megatron's f (all-reduce of the input gradient) or, with sequence
+parallelism, through an all-gather of the sequence. RowParallelLinear splits the input
 features (Y = sum_i X_i A_i) and leaves the region with an all-reduce, or a reduce-scatter of the
 sequence under sequence parallelism. Both return `(output, bias)`; bias is None unless
 `skip_bias_add`, which hands the bias to the caller for a fused bias-dropout-add.
+
+Both run their matmul through one autograd Function (`layers/linear_function.py`) that owns the
+backward: the column-parallel input's collectives, the saved input (the local sequence shard
+under SP) and the weight gradient, which goes straight into the grad buffer's fp32 `main_grad`
+when one owns the weight (or is deferred, `layers/weight_grad.py`). Their weights, and the
+biases added inside the Function, are claimed: their gradients never pass through autograd's
+accumulation when a grad buffer is attached. A row-parallel bias added after the reduction is an
+ordinary autograd parameter.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from megapipe.layers.linear_function import tensor_parallel_linear
 from megapipe.layers.param_meta import ParamMeta, make_param
+from megapipe.layers.weight_grad import WeightGradStore, claim_weight_grad
 from megapipe.parallel.mappings import (
-    copy_to_tp_region,
-    gather_from_sequence_parallel_region,
     gather_from_tp_region,
     reduce_from_tp_region,
     reduce_scatter_to_sequence_parallel_region,
@@ -68,14 +75,20 @@ class ColumnParallelLinear(torch.nn.Module):
             if bias
             else None
         )
+        claim_weight_grad(self.weight)
+        if self.bias is not None and not skip_bias_add:
+            claim_weight_grad(self.bias)
+        self.weight_grad_store: WeightGradStore | None = None  # set by WeightGradStore.attach
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, self.tp_group)
-        else:
-            x = copy_to_tp_region(x, self.tp_group)
-        bias = None if self.skip_bias_add else self.bias
-        y = F.linear(x, self.weight, bias)
+        y = tensor_parallel_linear(
+            x,
+            self.weight,
+            None if self.skip_bias_add else self.bias,
+            self.tp_group,
+            input_comm="sequence" if self.sequence_parallel else "all_reduce",
+            store=self.weight_grad_store,
+        )
         if self.gather_output:
             y = gather_from_tp_region(y, self.tp_group)
         return y, (self.bias if self.skip_bias_add else None)
@@ -116,13 +129,22 @@ class RowParallelLinear(torch.nn.Module):
             if bias
             else None
         )
+        # On one rank the bias is added inside the matmul (one fused op), so claimed there.
+        self.fused_bias = tp_group.size == 1 and not skip_bias_add
+        claim_weight_grad(self.weight)
+        if self.bias is not None and self.fused_bias:
+            claim_weight_grad(self.bias)
+        self.weight_grad_store: WeightGradStore | None = None  # set by WeightGradStore.attach
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.tp_group)
-        if self.tp_group.size == 1 and not self.skip_bias_add:
-            return F.linear(x, self.weight, self.bias), None  # one fused op on one rank
-        y = F.linear(x, self.weight)
+        bias = self.bias if self.fused_bias else None
+        y = tensor_parallel_linear(
+            x, self.weight, bias, self.tp_group, input_comm="none", store=self.weight_grad_store
+        )
+        if self.fused_bias:
+            return y, None
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
         else:

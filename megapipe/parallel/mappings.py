@@ -16,8 +16,10 @@ collective with its adjoint in backward:
 Activations are [sequence, batch, hidden], so sequence-parallel shards are contiguous slices.
 Every function returns its input unchanged for a group of one: TP=1 pays nothing.
 
-The asynchronous `start_*` helpers (plain tensors, no autograd) let a caller overlap a
-collective with its own compute.
+The column- and row-parallel linear layers do not use f or the sequence gather: their autograd
+Function (`layers/linear_function.py`) runs the same collectives itself so that it can save the
+local sequence shard and overlap its backward collectives with its matmuls, through the
+asynchronous `start_*` helpers below (plain tensors, no autograd).
 """
 
 from __future__ import annotations
