@@ -62,6 +62,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size, device
         )
         train(configs, state)
+    except ConfigError as error:  # found once the device is known (a forced kernel missing)
+        _say(f"{PROG}: error: {error}")
+        return 2
     except (NonFiniteLossError, DataError, CheckpointError) as error:
         _say(f"{PROG}: error: {error}")
         return 1

@@ -23,6 +23,7 @@ __all__ = [
     "LoggingConfig",
     "ModelConfig",
     "OptimizerConfig",
+    "KernelConfig",
     "ParallelConfig",
     "RecomputeConfig",
     "TrainingConfig",
@@ -268,6 +269,23 @@ class RecomputeConfig:
 
 
 @dataclass(frozen=True)
+class KernelConfig:
+    """Which implementation each fusable op and attention use (Megatron's fusion flags,
+    --attention-backend and --transformer-impl). The switches say what is allowed; what runs
+    also depends on the device and on what is installed (megapipe/kernels/dispatch.py)."""
+
+    attention_backend: str = "auto"  # auto, flash, fused, unfused or local
+    transformer_impl: str = "local"  # or transformer_engine
+    bias_gelu_fusion: bool = True
+    bias_dropout_fusion: bool = True
+    bias_swiglu_fusion: bool = True
+    masked_softmax_fusion: bool = True
+    rope_fusion: bool = True
+    persist_layer_norm: bool = True
+    cross_entropy_loss_fusion: bool = False
+
+
+@dataclass(frozen=True)
 class Configs:
     """Everything one run needs, settled together against a world size."""
 
@@ -281,6 +299,7 @@ class Configs:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
+    kernels: KernelConfig = field(default_factory=KernelConfig)
     arguments: tuple[tuple[str, str], ...] = field(default=(), compare=False)  # for TensorBoard
 
     @property

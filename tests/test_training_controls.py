@@ -60,16 +60,17 @@ def test_unsupported_flags_are_refused_by_name(flags: list[str], message: str) -
 
 
 def test_gpu_only_flags_are_accepted_and_noted_once() -> None:
-    flags = ["--train-iters", "2", "--use-flash-attn", "--attention-backend", "flash",
-             "--no-masked-softmax-fusion", "--context-parallel-size", "1",
-             "--transformer-impl", "local"]  # fmt: skip
+    flags = ["--train-iters", "2", "--use-cpu-initialization", "--tp-comm-overlap",
+             "--no-gradient-accumulation-fusion", "--context-parallel-size", "1",
+             "--transformer-impl", "local", "--num-workers", "2"]  # fmt: skip
     with pytest.warns(UserWarning):
         configs = parse_args(BASE + flags, 1)
     notes = [n for n in configs.warnings if "has no effect here" in n]
     assert [n.split(" has no effect")[0] for n in notes] == [
-        "--attention-backend flash",
-        "--use-flash-attn",
-        "--no-masked-softmax-fusion",
+        "--no-gradient-accumulation-fusion",
+        "--tp-comm-overlap",
+        "--use-cpu-initialization",
+        "--num-workers 2",
     ]
 
 

@@ -17,6 +17,7 @@ from typing import NoReturn, TypeVar
 import torch
 
 from megapipe.arguments.data_flags import NO_DATASET, add_data_args, data_config
+from megapipe.arguments.kernel_flags import add_kernel_args, kernel_config
 from megapipe.arguments.logging_flags import (
     add_checkpoint_args,
     add_logging_args,
@@ -77,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_logging_args(parser.add_argument_group("logging"))
     add_checkpoint_args(parser.add_argument_group("checkpointing"))
     add_recompute_args(parser.add_argument_group("activation recomputation"))
+    add_kernel_args(parser.add_argument_group("kernels and attention"))
     add_compat_args(parser.add_argument_group("Megatron-LM compatibility"))
     return parser
 
@@ -162,6 +164,7 @@ def parse_args(argv: Sequence[str] | None, world_size: int) -> Configs:
         logging=logging,
         checkpoint=checkpoint,
         recompute=recompute_config(args),
+        kernels=kernel_config(args),
         arguments=tuple((name, repr(value)) for name, value in sorted(vars(args).items())),
     )
     for note in notes:

@@ -2,7 +2,7 @@
 which are refused by name, and what an unknown flag probably meant.
 
 A Megatron-LM user's launch script carries flags that only matter on a GPU with fused kernels
-(`--no-masked-softmax-fusion`, `--use-flash-attn`, ...). Those are accepted and reported once at
+(`--use-cpu-initialization`, `--tp-comm-overlap`, ...). Those are accepted and reported once at
 start-up as having no effect, so the script runs unchanged. A Megatron-LM feature megapipe does
 not have yet (`--num-experts`, `--context-parallel-size 2`) is refused with a line that names
 it, rather than argparse's generic "unrecognized arguments", and never silently ignored.
@@ -17,9 +17,7 @@ from dataclasses import dataclass
 
 from megapipe.errors import ConfigError
 
-FUSED_KERNELS = "megapipe has no fused kernels yet: these ops run as plain PyTorch"
-ATTENTION = "attention runs through torch's scaled_dot_product_attention, which picks its backend"
-NO_TE = "TransformerEngine is not used: megapipe's own layers run (the 'local' implementation)"
+GRAD_ACCUMULATION = "gradients always accumulate straight into the fp32 main_grad buffer"
 
 
 @dataclass(frozen=True)
@@ -41,18 +39,8 @@ class NoEffectFlag:
 
 
 NO_EFFECT_FLAGS: tuple[NoEffectFlag, ...] = (
-    NoEffectFlag("--attention-backend", ATTENTION, 1, ("auto",)),
-    NoEffectFlag("--use-flash-attn", ATTENTION),
-    NoEffectFlag("--transformer-impl", NO_TE, 1, ("local",)),
     NoEffectFlag("--use-mcore-models", "megapipe has one model implementation"),
-    NoEffectFlag("--no-masked-softmax-fusion", FUSED_KERNELS),
-    NoEffectFlag("--no-bias-gelu-fusion", FUSED_KERNELS),
-    NoEffectFlag("--no-bias-swiglu-fusion", FUSED_KERNELS),
-    NoEffectFlag("--no-bias-dropout-fusion", FUSED_KERNELS),
-    NoEffectFlag("--no-rope-fusion", FUSED_KERNELS),
-    NoEffectFlag("--no-persist-layer-norm", FUSED_KERNELS),
-    NoEffectFlag("--cross-entropy-loss-fusion", FUSED_KERNELS),
-    NoEffectFlag("--no-gradient-accumulation-fusion", FUSED_KERNELS),
+    NoEffectFlag("--no-gradient-accumulation-fusion", GRAD_ACCUMULATION),
     NoEffectFlag(
         "--no-async-tensor-model-parallel-allreduce",
         "tensor-parallel all-reduces are not overlapped with computation yet",

@@ -19,6 +19,12 @@ import torch.nn.functional as F
 from megapipe.config import ModelConfig
 from megapipe.inference.kv_cache import KVCache
 from megapipe.layers.linear import ColumnParallelLinear, RowParallelLinear
+from megapipe.model.attention_backends import (
+    flash_attn_package,
+    flash_attn_package_usable,
+    sdpa_context,
+    unfused,
+)
 from megapipe.model.dropout import LogicalDropout
 from megapipe.model.recompute import recompute, wanted
 from megapipe.model.rotary import RotaryEmbedding
@@ -44,10 +50,12 @@ class SelfAttention(torch.nn.Module):
         sequence_parallel: bool,
         layer_number: int = 0,
         recompute_core: bool = False,
+        backend: str = "auto",
     ) -> None:
         super().__init__()
         self.rng = rng
         self.recompute_core = recompute_core  # --recompute-granularity selective (core_attn)
+        self.backend = backend  # --attention-backend (model/attention_backends.py)
         self.layer_number = layer_number  # global index: keys this layer's dropout masks
         self.dropout = config.attention_dropout
         self.head_dim = config.head_dim
@@ -136,18 +144,29 @@ class SelfAttention(torch.nn.Module):
                 attention_mask,
                 scale,
                 lambda probs: dropout_masks.attention_probs(probs, dropout, layer),
+                causal=causal,
             )
         with self.rng.fork() if dropout > 0 else contextlib.nullcontext():
-            return F.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=attention_mask,
-                dropout_p=dropout,
-                is_causal=causal,
-                scale=scale,
-                enable_gqa=self.local_groups != self.local_heads,
-            )
+            if unfused(self.backend):
+                drop = partial(F.dropout, p=dropout, training=True) if dropout > 0 else _identity
+                return explicit_attention(q, k, v, attention_mask, scale, drop, causal=causal)
+            if self.backend == "flash" and attention_mask is None and flash_attn_package_usable(q):
+                return flash_attn_package(q, k, v, scale, causal)
+            with sdpa_context(self.backend):
+                return F.scaled_dot_product_attention(
+                    q,
+                    k,
+                    v,
+                    attn_mask=attention_mask,
+                    dropout_p=dropout,
+                    is_causal=causal,
+                    scale=scale,
+                    enable_gqa=self.local_groups != self.local_heads,
+                )
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 def cached_causal_mask(s: int, offset: int, device: torch.device) -> torch.Tensor:
@@ -162,21 +181,25 @@ def explicit_attention(
     attention_mask: torch.Tensor | None,
     scale: float,
     drop: Callable[[torch.Tensor], torch.Tensor],
+    causal: bool = True,
 ) -> torch.Tensor:
     """softmax(q k^T * scale, masked) -> drop -> @ v, the unfused form of SDPA.
 
     q: [b, heads, s, d]; k, v: [b, groups, s, d] (GQA: head i reads group i // (heads/groups),
     as SDPA's enable_gqa). attention_mask: None for causal, else [b, 1, s, s] bool (True = may
     attend). The softmax runs in fp32 and is cast back to q's dtype before dropout.
+    causal: with no mask, whether to apply the causal one (False: attend everything, as a
+    one-token generation step after a KV cache does).
     """
     heads, groups = q.shape[1], k.shape[1]
     if heads != groups:
         k = k.repeat_interleave(heads // groups, dim=1)
         v = v.repeat_interleave(heads // groups, dim=1)
     scores = torch.matmul(q, k.transpose(-2, -1)) * scale
-    if attention_mask is None:
+    if attention_mask is None and causal:
         s_q, s_k = scores.shape[-2:]
         attention_mask = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).tril()
-    scores = scores.masked_fill(~attention_mask, float("-inf"))
+    if attention_mask is not None:
+        scores = scores.masked_fill(~attention_mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(drop(probs), v)

@@ -12,7 +12,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from megapipe.config import ModelConfig, RecomputeConfig
+from megapipe.config import KernelConfig, ModelConfig, RecomputeConfig
 from megapipe.inference.kv_cache import KVCache
 from megapipe.layers.cross_entropy import vocab_parallel_cross_entropy
 from megapipe.layers.embedding import VocabParallelEmbedding, vocab_range
@@ -101,6 +101,7 @@ class Decoder(torch.nn.Module):
         final_norm: bool,
         sequence_parallel: bool,
         recompute: RecomputeConfig | None = None,
+        kernels: KernelConfig | None = None,
     ) -> None:
         super().__init__()
         recompute = recompute or RecomputeConfig()
@@ -115,6 +116,7 @@ class Decoder(torch.nn.Module):
                     sequence_parallel=sequence_parallel,
                     layer_number=i,
                     recompute=recompute,
+                    kernels=kernels,
                 )
                 for i in layers
             }
@@ -182,6 +184,7 @@ class GPTModel(torch.nn.Module):
         sequence_parallel: bool = False,
         layers: range | None = None,
         recompute: RecomputeConfig | None = None,
+        kernels: KernelConfig | None = None,
     ) -> None:
         super().__init__()
         layers = range(config.num_layers) if layers is None else layers
@@ -207,7 +210,7 @@ class GPTModel(torch.nn.Module):
             else None
         )
         self.decoder = Decoder(
-            config, tp, rng, layers, self.post_process, self.sequence_parallel, recompute
+            config, tp, rng, layers, self.post_process, self.sequence_parallel, recompute, kernels
         )
         self.output_layer = None
         if self.post_process:

@@ -9,7 +9,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from megapipe.config import ModelConfig, RecomputeConfig
+from megapipe.config import KernelConfig, ModelConfig, RecomputeConfig
 from megapipe.inference.kv_cache import KVCache
 from megapipe.layers.norms import build_norm
 from megapipe.model.attention import SelfAttention
@@ -52,9 +52,11 @@ class TransformerLayer(torch.nn.Module):
         sequence_parallel: bool,
         layer_number: int = 0,
         recompute: RecomputeConfig | None = None,
+        kernels: KernelConfig | None = None,
     ) -> None:
         super().__init__()
         recompute = recompute or RecomputeConfig()
+        kernels = kernels or KernelConfig()
         self.rng = rng
         self.layer_number = layer_number
         self.recompute_mlp = recompute.selective("mlp")
@@ -72,6 +74,7 @@ class TransformerLayer(torch.nn.Module):
             sequence_parallel=sp,
             layer_number=layer_number,
             recompute_core=recompute.selective("core_attn"),
+            backend=kernels.attention_backend,
         )
         self.pre_mlp_layernorm = build_norm(config.normalization, config.hidden_size, eps, sp)
         self.mlp = MLP(config, tp, output_init_std=output_std, sequence_parallel=sp)

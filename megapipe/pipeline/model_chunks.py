@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megapipe.config import ModelConfig, RecomputeConfig
+from megapipe.config import KernelConfig, ModelConfig, RecomputeConfig
 from megapipe.model.gpt import GPTModel
 from megapipe.parallel.random import RNGTracker
 from megapipe.parallel.state import ParallelState
@@ -18,6 +18,7 @@ def build_model_chunks(
     seed: int,
     sequence_parallel: bool = False,
     recompute: RecomputeConfig | None = None,
+    kernels: KernelConfig | None = None,
 ) -> list[GPTModel]:
     """Chunk c of this rank holds the layers of virtual stage c * p + pp_rank."""
     if stage_map.pipeline_size != state.pp.size:
@@ -34,6 +35,7 @@ def build_model_chunks(
             sequence_parallel=sequence_parallel,
             layers=layers,
             recompute=recompute,
+            kernels=kernels,
         )
         for layers in stage_map.layers[state.pp.rank]
     ]

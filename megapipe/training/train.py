@@ -14,6 +14,7 @@ from megapipe.distributed.grad_buffer import GradBuffer
 from megapipe.distributed.loss_scaler import make_loss_scaler
 from megapipe.distributed.optimizer import ShardedOptimizer
 from megapipe.model.activation_memory import SavedTensorPeak
+from megapipe.model.attention_backends import check_attention_backend
 from megapipe.model.gpt import GPTModel
 from megapipe.parallel.random import RNGTracker
 from megapipe.parallel.state import ParallelState
@@ -52,6 +53,7 @@ def build_model_chunks_for(
         seed=seed,
         sequence_parallel=configs.parallel.sequence_parallel,
         recompute=configs.recompute,
+        kernels=configs.kernels,
     )
     for chunk in chunks:
         chunk.to(configs.optimizer.params_dtype)
@@ -232,6 +234,14 @@ def train(configs: Configs, state: ParallelState) -> list[StepResult]:
     print_rank_0(
         state,
         world_size_line(state.world_size, state.dp.size, state.tp.size, state.pp.size),
+    )
+    check_attention_backend(
+        configs.kernels.attention_backend,
+        state.device,
+        configs.optimizer.params_dtype,
+        attention_dropout=configs.model.attention_dropout,
+        reset_attention_mask=configs.data.reset_attention_mask,
+        head_dim=configs.model.head_dim,
     )
     stage_map = stage_map_for(configs)
     memory = MemoryModel.of(configs).stages(stage_map) if state.pp.size > 1 else None
