@@ -37,6 +37,9 @@ setup(
             # Hugging Face export/import tests load the exported models (tests only)
             "transformers>=4.56",
             "safetensors>=0.4",
+            # the Triton kernels' tests run them on CPU in Triton's interpreter (tests only;
+            # on GPU machines Triton comes with CUDA torch; Linux wheels only)
+            "triton>=3.0; platform_system == 'Linux'",
         ],
         "hf": ["tokenizers>=0.15"],
     },

@@ -4,9 +4,16 @@ topics), a SentencePiece model trained on it, and the corpus preprocessed into .
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
+import torch
+
+# Without a GPU, Triton kernels run on Triton's CPU interpreter, which must be switched on
+# before Triton is first imported (tests/test_kernels_*.py; it is far too slow to train with).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")
