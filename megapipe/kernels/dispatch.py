@@ -45,7 +45,15 @@ from typing import Any
 import torch
 
 from megapipe.errors import ConfigError
-from megapipe.kernels import bias_dropout_add, bias_gelu, rotary, swiglu
+from megapipe.kernels import (
+    bias_dropout_add,
+    bias_gelu,
+    cross_entropy,
+    layer_norm,
+    rotary,
+    softmax,
+    swiglu,
+)
 from megapipe.kernels.availability import Availability, detect
 
 Table = Mapping[str, Mapping[str, Callable[..., Any]]]
@@ -56,8 +64,10 @@ IMPLEMENTATIONS: Table = MappingProxyType(
         "bias_dropout_add": MappingProxyType(bias_dropout_add.IMPLEMENTATIONS),
         "swiglu": MappingProxyType(swiglu.IMPLEMENTATIONS),
         "rotary": MappingProxyType(rotary.IMPLEMENTATIONS),
-        # the norm / softmax / cross-entropy rows: "layer_norm", "rms_norm", "masked_softmax",
-        # "cross_entropy", from their modules as they land
+        "layer_norm": MappingProxyType(layer_norm.LAYER_NORM_IMPLEMENTATIONS),
+        "rms_norm": MappingProxyType(layer_norm.RMS_NORM_IMPLEMENTATIONS),
+        "masked_softmax": MappingProxyType(softmax.IMPLEMENTATIONS),
+        "cross_entropy": MappingProxyType(cross_entropy.IMPLEMENTATIONS),
     }
 )
 
