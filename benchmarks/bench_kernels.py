@@ -42,6 +42,7 @@ from megapipe.atomic_files import write_json  # noqa: E402
 from megapipe.kernels.availability import triton_probe  # noqa: E402
 from megapipe.kernels.dispatch import IMPLEMENTATIONS  # noqa: E402
 from megapipe.model.rotary import RotaryEmbedding  # noqa: E402
+from megapipe.parallel.state import Group  # noqa: E402
 
 DEFAULT_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "kernels.json")
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
@@ -116,12 +117,63 @@ def _rotary(sizes, dtype, device, gen) -> Inputs:
     return Inputs((x, table.cos, table.sin, 0), "x".join(map(str, x.shape)))
 
 
+def _norm_inputs(sizes, dtype, device, gen, *, bias: bool) -> Inputs:
+    x = _randn((sizes.seq, sizes.micro_batch, sizes.hidden), dtype, device, gen, scale=2.0)
+    weight = (1 + 0.1 * torch.randn(sizes.hidden, generator=gen, device=device)).to(dtype)
+    params = (weight.requires_grad_(),)
+    if bias:
+        params += (_randn((sizes.hidden,), dtype, device, gen, scale=0.1),)
+    return Inputs((x, *params, 1e-5), "x".join(map(str, x.shape)))
+
+
+def _layer_norm(sizes, dtype, device, gen) -> Inputs:
+    return _norm_inputs(sizes, dtype, device, gen, bias=True)
+
+
+def _rms_norm(sizes, dtype, device, gen) -> Inputs:
+    return _norm_inputs(sizes, dtype, device, gen, bias=False)
+
+
+def _attention_scores(sizes, dtype, device, gen) -> torch.Tensor:
+    shape = (sizes.micro_batch, sizes.heads, sizes.seq, sizes.seq)
+    return _randn(shape, dtype, device, gen, scale=3.0)
+
+
+def _causal_softmax(sizes, dtype, device, gen) -> Inputs:
+    scores = _attention_scores(sizes, dtype, device, gen)
+    return Inputs((scores, None, 0.125), "x".join(map(str, scores.shape)) + " causal")
+
+
+def _masked_softmax(sizes, dtype, device, gen) -> Inputs:
+    """Causal within documents of a quarter of the sequence (--reset-attention-mask)."""
+    scores = _attention_scores(sizes, dtype, device, gen)
+    document = torch.arange(sizes.seq, device=device) * 4 // sizes.seq
+    causal = torch.ones(sizes.seq, sizes.seq, dtype=torch.bool, device=device).tril()
+    mask = (causal & (document[:, None] == document[None, :])).expand(sizes.micro_batch, 1, -1, -1)
+    return Inputs((scores, mask, 0.125), "x".join(map(str, scores.shape)) + " mask")
+
+
+VOCAB = {"cuda": (50257, 50304), "cpu": (77, 80)}  # (real vocabulary, padded logits)
+
+
+def _cross_entropy(sizes, dtype, device, gen) -> Inputs:
+    vocab, padded = VOCAB[device.type]
+    logits = _randn((sizes.seq, sizes.micro_batch, padded), dtype, device, gen, scale=2.0)
+    target = torch.randint(0, vocab, (sizes.seq, sizes.micro_batch), generator=gen, device=device)
+    return Inputs((logits, target, Group.single(), 0, vocab), "x".join(map(str, logits.shape)))
+
+
 # The ops to measure, in table order (the other kernel ops add their cases here).
 CASES = [
     Case("bias_gelu", _bias_gelu),
     Case("bias_dropout_add", _bias_dropout_add),
     Case("swiglu", _swiglu),
     Case("rotary", _rotary),
+    Case("layer_norm", _layer_norm),
+    Case("rms_norm", _rms_norm),
+    Case("masked_softmax", _causal_softmax),
+    Case("masked_softmax", _masked_softmax),
+    Case("cross_entropy", _cross_entropy),
 ]
 
 
