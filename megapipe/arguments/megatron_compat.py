@@ -43,7 +43,8 @@ NO_EFFECT_FLAGS: tuple[NoEffectFlag, ...] = (
     NoEffectFlag("--no-gradient-accumulation-fusion", GRAD_ACCUMULATION),
     NoEffectFlag(
         "--no-async-tensor-model-parallel-allreduce",
-        "tensor-parallel all-reduces are not overlapped with computation yet",
+        "the input-gradient all-reduce of tensor-parallel linears always overlaps the "
+        "weight-gradient matmul",
     ),
     NoEffectFlag("--tp-comm-overlap", "tensor-parallel communication is not overlapped yet"),
     NoEffectFlag("--overlap-param-gather", "parameter all-gathers run after the optimizer step"),
