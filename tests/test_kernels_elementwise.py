@@ -12,6 +12,10 @@ relative error the tolerance bounds; run with -s to see them.
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -130,6 +134,20 @@ def test_rotary_triton_matches_reference(offset, d, block) -> None:
     fused = lambda x: rotary.rotary_triton(x, table.cos, table.sin, offset, block=block)
     reference = lambda x: rotary.rotary_reference(x, table.cos, table.sin, offset)
     compare_with_reference(f"rotary[offset={offset}, d={d}]", fused, reference, [x])
+
+
+@needs_triton
+def test_kernels_compile_for_a_hopper_gpu_without_one(tmp_path) -> None:
+    """The interpreter never lowers a kernel; kernels_compile_check.py does, to sm_90 cubins."""
+    pytest.importorskip("triton.backends.nvidia", reason="Triton without its CUDA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
+    script = Path(__file__).with_name("kernels_compile_check.py")
+    run = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stdout + run.stderr[-4000:]
+    assert run.stdout.count("sm_90 cubin") == 7, run.stdout
 
 
 # ---- the references against independent formulas (float64) and the model's own paths ----

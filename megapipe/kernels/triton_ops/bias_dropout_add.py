@@ -67,7 +67,11 @@ def _backward(
     dx = tl.where(keep != 0, g * scale, 0.0)
     tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
     if HAS_BIAS:
-        tl.store(partial_ptr + tl.program_id(0) * cols + c, tl.sum(dx, axis=0), mask=c < cols)
+        tl.store(
+            partial_ptr + tl.program_id(0).to(tl.int64) * cols + c,
+            tl.sum(dx, axis=0),
+            mask=c < cols,
+        )
 
 
 class BiasDropoutAdd(torch.autograd.Function):

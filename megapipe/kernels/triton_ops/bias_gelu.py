@@ -31,9 +31,13 @@ def _gelu_and_slope(u, TANH: tl.constexpr):
         z = _SQRT_2_OVER_PI * (u + _TANH_COEF * u * u * u)
         s, s_minus = sigmoid_pair(2.0 * z)  # sigmoid(2z) = (1 + tanh z) / 2, and 1 - that
         dz = _SQRT_2_OVER_PI * (1.0 + 3.0 * _TANH_COEF * u * u)
-        return u * s, s + 2.0 * u * s * s_minus * dz
-    cdf = 0.5 * (1.0 + tl.math.erf(u * _SQRT_HALF))
-    return u * cdf, cdf + u * _INV_SQRT_2PI * tl.exp(-0.5 * u * u)
+        y = u * s
+        slope = s + 2.0 * u * s * s_minus * dz
+    else:
+        cdf = 0.5 * (1.0 + tl.math.erf(u * _SQRT_HALF))
+        y = u * cdf
+        slope = cdf + u * _INV_SQRT_2PI * tl.exp(-0.5 * u * u)
+    return y, slope
 
 
 @triton.jit
@@ -86,7 +90,11 @@ def _backward(
     du = tl.load(g_ptr + offsets, mask=mask, other=0.0).to(tl.float32) * slope
     tl.store(dx_ptr + offsets, du.to(dx_ptr.dtype.element_ty), mask=mask)
     if HAS_BIAS:  # masked-off elements loaded g = 0, so they add nothing
-        tl.store(partial_ptr + tl.program_id(0) * cols + c, tl.sum(du, axis=0), mask=c < cols)
+        tl.store(
+            partial_ptr + tl.program_id(0).to(tl.int64) * cols + c,
+            tl.sum(du, axis=0),
+            mask=c < cols,
+        )
 
 
 class BiasGeLU(torch.autograd.Function):

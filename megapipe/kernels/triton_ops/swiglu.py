@@ -68,7 +68,7 @@ def _backward(
     tl.store(dh_ptr + gate_offsets, d_gate.to(dh_ptr.dtype.element_ty), mask=mask)
     tl.store(dh_ptr + gate_offsets + f, d_up.to(dh_ptr.dtype.element_ty), mask=mask)
     if HAS_BIAS:
-        partials = partial_ptr + tl.program_id(0) * (2 * f)
+        partials = partial_ptr + tl.program_id(0).to(tl.int64) * (2 * f)
         tl.store(partials + c, tl.sum(d_gate, axis=0), mask=c < f)
         tl.store(partials + f + c, tl.sum(d_up, axis=0), mask=c < f)
 
