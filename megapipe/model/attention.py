@@ -51,11 +51,13 @@ class SelfAttention(torch.nn.Module):
         layer_number: int = 0,
         recompute_core: bool = False,
         backend: str = "auto",
+        softmax_kernel: Callable[..., torch.Tensor] | None = None,
     ) -> None:
         super().__init__()
         self.rng = rng
         self.recompute_core = recompute_core  # --recompute-granularity selective (core_attn)
         self.backend = backend  # --attention-backend (model/attention_backends.py)
+        self.softmax_kernel = softmax_kernel  # fused masked softmax of the unfused attention
         self.layer_number = layer_number  # global index: keys this layer's dropout masks
         self.dropout = config.attention_dropout
         self.head_dim = config.head_dim
@@ -145,11 +147,14 @@ class SelfAttention(torch.nn.Module):
                 scale,
                 lambda probs: dropout_masks.attention_probs(probs, dropout, layer),
                 causal=causal,
+                softmax=self.softmax_kernel,
             )
         with self.rng.fork() if dropout > 0 else contextlib.nullcontext():
             if unfused(self.backend):
                 drop = partial(F.dropout, p=dropout, training=True) if dropout > 0 else _identity
-                return explicit_attention(q, k, v, attention_mask, scale, drop, causal=causal)
+                return explicit_attention(
+                    q, k, v, attention_mask, scale, drop, causal=causal, softmax=self.softmax_kernel
+                )
             if self.backend == "flash" and attention_mask is None and flash_attn_package_usable(q):
                 return flash_attn_package(q, k, v, scale, causal)
             with sdpa_context(self.backend):
@@ -182,6 +187,7 @@ def explicit_attention(
     scale: float,
     drop: Callable[[torch.Tensor], torch.Tensor],
     causal: bool = True,
+    softmax: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T * scale, masked) -> drop -> @ v, the unfused form of SDPA.
 
@@ -190,11 +196,18 @@ def explicit_attention(
     attend). The softmax runs in fp32 and is cast back to q's dtype before dropout.
     causal: with no mask, whether to apply the causal one (False: attend everything, as a
     one-token generation step after a KV cache does).
+    softmax: a fused masked softmax (scores, mask, scale) -> probs in q's dtype, or None.
     """
     heads, groups = q.shape[1], k.shape[1]
     if heads != groups:
         k = k.repeat_interleave(heads // groups, dim=1)
         v = v.repeat_interleave(heads // groups, dim=1)
+    if softmax is not None:
+        scores = torch.matmul(q, k.transpose(-2, -1))
+        if attention_mask is None and causal:
+            s_q, s_k = scores.shape[-2:]
+            attention_mask = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).tril()
+        return torch.matmul(drop(softmax(scores, attention_mask, scale)), v)
     scores = torch.matmul(q, k.transpose(-2, -1)) * scale
     if attention_mask is None and causal:
         s_q, s_k = scores.shape[-2:]

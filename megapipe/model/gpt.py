@@ -14,12 +14,16 @@ import torch.nn.functional as F
 
 from megapipe.config import KernelConfig, ModelConfig, RecomputeConfig
 from megapipe.inference.kv_cache import KVCache
+from megapipe.kernels.cross_entropy import chunked_cross_entropy
+from megapipe.kernels.dispatch import KernelChoices
 from megapipe.layers.cross_entropy import vocab_parallel_cross_entropy
 from megapipe.layers.embedding import VocabParallelEmbedding, vocab_range
 from megapipe.layers.linear import ColumnParallelLinear
 from megapipe.layers.norms import build_norm
 from megapipe.layers.param_meta import ParamMeta, make_param
 from megapipe.model.dropout import EMBEDDING_LAYER, LogicalDropout
+from megapipe.model.fused_ops import fused
+from megapipe.model.fused_ops import kernel_choices as kernel_choices_for
 from megapipe.model.initialization import initialize_parameters
 from megapipe.model.recompute import recompute, recomputed_groups, wanted
 from megapipe.model.rotary import RotaryEmbedding
@@ -102,6 +106,7 @@ class Decoder(torch.nn.Module):
         sequence_parallel: bool,
         recompute: RecomputeConfig | None = None,
         kernels: KernelConfig | None = None,
+        choices: KernelChoices | None = None,
     ) -> None:
         super().__init__()
         recompute = recompute or RecomputeConfig()
@@ -117,6 +122,7 @@ class Decoder(torch.nn.Module):
                     layer_number=i,
                     recompute=recompute,
                     kernels=kernels,
+                    choices=choices,
                 )
                 for i in layers
             }
@@ -128,6 +134,7 @@ class Decoder(torch.nn.Module):
                 config.hidden_size,
                 config.layernorm_epsilon,
                 sequence_parallel,
+                fused(choices, "layer_norm" if config.normalization == "LayerNorm" else "rms_norm"),
             )
             if final_norm
             else None
@@ -185,9 +192,16 @@ class GPTModel(torch.nn.Module):
         layers: range | None = None,
         recompute: RecomputeConfig | None = None,
         kernels: KernelConfig | None = None,
+        kernel_choices: KernelChoices | None = None,
     ) -> None:
+        """kernels: the fusion and attention flags; kernel_choices: the fused implementations
+        to use (default: chosen from `kernels` for the device: plain torch on CPU)."""
         super().__init__()
         layers = range(config.num_layers) if layers is None else layers
+        choices = kernel_choices or kernel_choices_for(kernels, state.device)
+        self.kernel_choices = choices
+        self.cross_entropy_fusion = (kernels or KernelConfig()).cross_entropy_loss_fusion
+        self.fused_cross_entropy = fused(choices, "cross_entropy")
         tp = state.tp
         self.config = config
         self.rng = rng  # this rank's random streams (checkpoints save and restore them)
@@ -205,12 +219,25 @@ class GPTModel(torch.nn.Module):
             else None
         )
         self.rotary = (
-            RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rotary_base)
+            RotaryEmbedding(
+                config.head_dim,
+                config.max_position_embeddings,
+                config.rotary_base,
+                fused(choices, "rotary"),
+            )
             if config.position_embedding_type == "rope"
             else None
         )
         self.decoder = Decoder(
-            config, tp, rng, layers, self.post_process, self.sequence_parallel, recompute, kernels
+            config,
+            tp,
+            rng,
+            layers,
+            self.post_process,
+            self.sequence_parallel,
+            recompute,
+            kernels,
+            choices,
         )
         self.output_layer = None
         if self.post_process:
@@ -281,9 +308,12 @@ class GPTModel(torch.nn.Module):
         logits, _ = self.output_layer(x)
         if labels is None:
             return logits
-        loss = vocab_parallel_cross_entropy(
-            logits, labels.t(), self.tp, self.vocab_start, self.config.vocab_size
-        )
+        cross_entropy = vocab_parallel_cross_entropy
+        if self.fused_cross_entropy is not None:
+            cross_entropy = self.fused_cross_entropy
+        elif self.cross_entropy_fusion:  # the chunked form saves memory on any device
+            cross_entropy = chunked_cross_entropy
+        loss = cross_entropy(logits, labels.t(), self.tp, self.vocab_start, self.config.vocab_size)
         return loss.t()
 
     def _dropout_masks(self, sample_ids: torch.Tensor | None) -> LogicalDropout | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
@@ -13,9 +15,16 @@ class RotaryEmbedding(torch.nn.Module):
     rebuilds the tables for its length, once.
     """
 
-    def __init__(self, head_dim: int, max_positions: int, base: int = 10000) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        max_positions: int,
+        base: int = 10000,
+        kernel: Callable[..., torch.Tensor] | None = None,
+    ) -> None:
+        """kernel: a fused rotary (x, cos, sin, offset) -> rotated x, or None for plain torch."""
         super().__init__()
-        self.head_dim, self.base = head_dim, base
+        self.head_dim, self.base, self.kernel = head_dim, base, kernel
         cos, sin = self._tables(max_positions, torch.device("cpu"))
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
@@ -33,6 +42,8 @@ class RotaryEmbedding(torch.nn.Module):
         end = offset + x.shape[0]
         if end > self.cos.shape[0]:
             self.cos, self.sin = self._tables(end, self.cos.device)
+        if self.kernel is not None:
+            return self.kernel(x, self.cos, self.sin, offset)
         cos, sin = self.cos[offset:end].to(x.dtype), self.sin[offset:end].to(x.dtype)
         first, second = x.chunk(2, dim=-1)
         return x * cos + torch.cat([-second, first], dim=-1) * sin

@@ -11,9 +11,11 @@ import torch.nn.functional as F
 
 from megapipe.config import KernelConfig, ModelConfig, RecomputeConfig
 from megapipe.inference.kv_cache import KVCache
+from megapipe.kernels.dispatch import KernelChoices
 from megapipe.layers.norms import build_norm
 from megapipe.model.attention import SelfAttention
 from megapipe.model.dropout import LogicalDropout
+from megapipe.model.fused_ops import fused
 from megapipe.model.mlp import MLP
 from megapipe.model.recompute import recompute, wanted
 from megapipe.model.rotary import RotaryEmbedding
@@ -53,10 +55,15 @@ class TransformerLayer(torch.nn.Module):
         layer_number: int = 0,
         recompute: RecomputeConfig | None = None,
         kernels: KernelConfig | None = None,
+        choices: KernelChoices | None = None,
     ) -> None:
+        """choices: the fused kernels chosen for this run (None: plain torch everywhere)."""
         super().__init__()
         recompute = recompute or RecomputeConfig()
         kernels = kernels or KernelConfig()
+        norm_op = "layer_norm" if config.normalization == "LayerNorm" else "rms_norm"
+        norm_kernel = fused(choices, norm_op)
+        self.fused_bias_dropout_add = fused(choices, "bias_dropout_add")
         self.rng = rng
         self.layer_number = layer_number
         self.recompute_mlp = recompute.selective("mlp")
@@ -65,7 +72,9 @@ class TransformerLayer(torch.nn.Module):
         output_std = config.init_method_std / math.sqrt(2.0 * config.num_layers)
         sp = sequence_parallel and tp.size > 1
         eps = config.layernorm_epsilon
-        self.input_layernorm = build_norm(config.normalization, config.hidden_size, eps, sp)
+        self.input_layernorm = build_norm(
+            config.normalization, config.hidden_size, eps, sp, norm_kernel
+        )
         self.self_attention = SelfAttention(
             config,
             tp,
@@ -75,9 +84,14 @@ class TransformerLayer(torch.nn.Module):
             layer_number=layer_number,
             recompute_core=recompute.selective("core_attn"),
             backend=kernels.attention_backend,
+            softmax_kernel=fused(choices, "masked_softmax"),
         )
-        self.pre_mlp_layernorm = build_norm(config.normalization, config.hidden_size, eps, sp)
-        self.mlp = MLP(config, tp, output_init_std=output_std, sequence_parallel=sp)
+        self.pre_mlp_layernorm = build_norm(
+            config.normalization, config.hidden_size, eps, sp, norm_kernel
+        )
+        self.mlp = MLP(
+            config, tp, output_init_std=output_std, sequence_parallel=sp, kernels=choices
+        )
 
     def forward(
         self,
@@ -96,9 +110,22 @@ class TransformerLayer(torch.nn.Module):
         out, bias = self.self_attention(
             self.input_layernorm(x), rotary, attention_mask, dropout_masks, kv_cache
         )
-        x = bias_dropout_add(out, bias, x, p, self.training, drop_attention)
+        x = self._residual(out, bias, x, dropout_masks, "attention_output", drop_attention)
         if self.recompute_mlp and wanted(self):
             out, bias = recompute(self.mlp, self.pre_mlp_layernorm(x), rng=self.rng)
         else:
             out, bias = self.mlp(self.pre_mlp_layernorm(x))
-        return bias_dropout_add(out, bias, x, p, self.training, drop_mlp)
+        return self._residual(out, bias, x, dropout_masks, "mlp_output", drop_mlp)
+
+    def _residual(self, out, bias, x, dropout_masks, site: str, drop) -> torch.Tensor:
+        """x + dropout(out + bias), by the fused kernel where one was chosen (it takes the
+        layout-invariant keep-mask; stream dropout without sample ids stays plain torch)."""
+        p = self.hidden_dropout
+        dropping = self.training and p > 0
+        if self.fused_bias_dropout_add is None or (dropping and dropout_masks is None):
+            return bias_dropout_add(out, bias, x, p, self.training, drop)
+        if not dropping:
+            return self.fused_bias_dropout_add(out, bias, x)
+        layer = self.layer_number
+        keep = dropout_masks.hidden_keep_mask(tuple(out.shape), p, layer, site, out.device)
+        return self.fused_bias_dropout_add(out, bias, x, keep, 1.0 / (1.0 - p))

@@ -249,6 +249,7 @@ def train(configs: Configs, state: ParallelState) -> list[StepResult]:
         print_rank_0(state, stage_map.describe())
         print_rank_0(state, describe_stage_memory(memory))
     chunks = build_model_chunks_for(configs, state, stage_map)
+    print_rank_0(state, chunks[0].kernel_choices.describe())
     if state.dp.rank == 0:
         count = sum(p.numel() for chunk in chunks for p in chunk.parameters())
         print(parameter_count_line(state.tp_rank, state.pp_rank, count), flush=True)
