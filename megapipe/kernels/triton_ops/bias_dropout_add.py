@@ -84,8 +84,8 @@ class BiasDropoutAdd(torch.autograd.Function):
         bias = bias.contiguous() if bias is not None else None
         keep2 = as_rows(keep, cols).view(torch.uint8) if keep is not None else None
         tiles = tile(cols, block)
-        out = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, residual.dtype),
-                          device=x.device)  # fmt: skip
+        out_dtype = torch.promote_types(x.dtype, residual.dtype)  # as residual + x gives
+        out = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
         _forward[grid(x2.shape[0], cols, tiles)](
             x2,
             bias if bias is not None else x2,  # placeholders when absent: never read
@@ -102,9 +102,8 @@ class BiasDropoutAdd(torch.autograd.Function):
         )
         ctx.save_for_backward(keep2)
         ctx.scale, ctx.tiles, ctx.shape = float(scale), tiles, x.shape
-        ctx.x_dtype, ctx.r_dtype, ctx.bias_dtype = x.dtype, residual.dtype, None
-        if bias is not None:
-            ctx.bias_dtype = bias.dtype
+        ctx.x_dtype, ctx.r_dtype = x.dtype, residual.dtype
+        ctx.bias_dtype = bias.dtype if bias is not None else None
         return out.view(x.shape)
 
     @staticmethod
@@ -119,8 +118,10 @@ class BiasDropoutAdd(torch.autograd.Function):
             db = g.sum(dim=0, dtype=torch.float32).to(ctx.bias_dtype) if want_bias else None
         else:
             dx = torch.empty(g.shape, dtype=ctx.x_dtype, device=g.device)
-            row_tiles = grid(g.shape[0], cols, ctx.tiles)[0]
-            partials = torch.empty((row_tiles, cols), dtype=torch.float32, device=g.device)
+            partials = dx  # a placeholder, never written, when there is no bias
+            if has_bias:
+                row_tiles = grid(g.shape[0], cols, ctx.tiles)[0]
+                partials = torch.empty((row_tiles, cols), dtype=torch.float32, device=g.device)
             _backward[grid(g.shape[0], cols, ctx.tiles)](
                 g,
                 keep2,
