@@ -95,3 +95,24 @@ def test_selective_core_attn_drops_the_probabilities_of_unfused_attention() -> N
     plain = measured(config, state, False, MODES["none"], masks)
     selective = measured(config, state, False, MODES["selective core_attn"], masks)
     assert plain - selective >= 2 * B * A * S * S * 4
+
+
+def _first_stage_extra(rank: int, world: int, sp: bool) -> int:
+    """Saved bytes of a first stage (embedding + 1 layer) beyond the layer's formula."""
+    from megapipe.model.gpt import GPTModel
+
+    state = ParallelState.build(world, 1)
+    model = GPTModel(CONFIG, state, RNGTracker(1), seed=1, layers=range(0, 1),
+                     sequence_parallel=sp).train()  # fmt: skip
+    tokens = torch.randint(64, (B, S), generator=torch.Generator().manual_seed(0))
+    saved = saved_activation_bytes(lambda: model(tokens=tokens), model.parameters())
+    return saved - layer_activation_bytes(CONFIG, B, world, sequence_parallel=sp)
+
+
+def test_the_sequence_parallel_scatter_keeps_only_the_shard() -> None:
+    """Under SP the embedding's [s, b, h] output is scattered; the first layer must keep a
+    shard of its own, not a view that holds the whole replicated tensor alive."""
+    without_sp = run_distributed(_first_stage_extra, 2, False)[0]
+    with_sp = run_distributed(_first_stage_extra, 2, True)[0]
+    assert with_sp == without_sp  # the token ids only; no [s, b, h] storage
+    assert with_sp < S * B * H * 4 // 2

@@ -52,12 +52,15 @@ def all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 
 def split_along(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
-    """This rank's contiguous 1/size slice of `x` along `dim`."""
+    """This rank's contiguous 1/size slice of `x` along `dim`, in storage of its own: a view
+    (the chunk of dim 0 is already contiguous) would keep all of `x` alive wherever the slice
+    is kept, e.g. saved for backward by the first layer under sequence parallelism."""
     if x.shape[dim] % group.size:
         raise ValueError(
             f"dimension {dim} of size {x.shape[dim]} does not split over {group.size} ranks"
         )
-    return x.chunk(group.size, dim=dim)[group.rank].contiguous()
+    piece = x.chunk(group.size, dim=dim)[group.rank]
+    return piece.clone(memory_format=torch.contiguous_format) if group.size > 1 else piece
 
 
 def all_gather_along(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
