@@ -267,6 +267,14 @@ class RecomputeConfig:
         """Whether `module` (one of RECOMPUTE_MODULES) is recomputed inside each layer."""
         return self.granularity == "selective" and module in self.modules
 
+    def describe(self) -> str:
+        """`full (block, 2 layers)`, `selective (core_attn, mlp)` or `none`."""
+        if self.full:
+            return f"full ({self.method}, {self.num_layers} layers)"
+        if self.granularity == "selective":
+            return f"selective ({', '.join(self.modules)})"
+        return "none"
+
 
 @dataclass(frozen=True)
 class KernelConfig:

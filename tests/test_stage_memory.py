@@ -14,7 +14,7 @@ from megapipe.checkpointing.convert import build_rank
 from megapipe.config import ModelConfig, OptimizerConfig, ParallelConfig, RecomputeConfig
 from megapipe.errors import ConfigError
 from megapipe.pipeline.partition import partition_layers, uniform_counts
-from megapipe.pipeline.stage_memory import MemoryModel, deviation, stage_parameters
+from megapipe.pipeline.stage_memory import MemoryModel, deviation, plan_stages, stage_parameters
 from megapipe.testing import run_distributed, train_with_flags
 
 GPT3_1_3B = ModelConfig(
@@ -96,6 +96,27 @@ def test_memory_partition_evens_out_gpt3_1_3b(p: int) -> None:
     if p == 4:
         assert after < 0.15
     assert uniform_counts(24, p, 1) != [len(c[0]) for c in chosen.layers]
+    # where layer counts cannot get under 15%, per-stage recomputation does
+    parallel = ParallelConfig(pipeline_model_parallel_size=p, pipeline_partition="memory")
+    planned = plan_stages(GPT3_1_3B, parallel, micro_batch_size=1, num_microbatches=32,
+                          optimizer=OptimizerConfig(bf16=True), recompute=RecomputeConfig(),
+                          data_parallel_size=1)  # fmt: skip
+    with_recompute = deviation(model.stages(planned))
+    print(f"  with per-stage recomputation: {with_recompute:.1%} "
+          f"({', '.join(r.describe() for r in planned.recompute) or 'none needed'})")  # fmt: skip
+    assert with_recompute < 0.15
+    assert bool(planned.recompute) == (p == 8)
+
+
+def test_per_stage_recomputation_trains_to_the_same_losses() -> None:
+    """Four 1-layer stages cannot be evened by layer counts: the memory partition recomputes
+    inside the first stages, which changes memory and not one bit of the losses."""
+    argv = ARGV + ["--num-layers", "4", "--pipeline-model-parallel-size", "4",
+                   "--global-batch-size", "32"]  # fmt: skip
+    uniform = run_distributed(_run, 4, argv)
+    memory = run_distributed(_run, 4, argv + ["--pipeline-partition", "memory"])
+    assert "recomputing selective" in memory[0][1]
+    assert memory[0][0] == uniform[0][0]
 
 
 def test_memory_partition_refuses_virtual_stages() -> None:

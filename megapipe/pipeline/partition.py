@@ -20,15 +20,19 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from megapipe.config import ModelConfig
+from megapipe.config import ModelConfig, RecomputeConfig
 from megapipe.errors import ConfigError
 
 
 @dataclass(frozen=True)
 class StageMap:
-    """layers[rank][chunk] = the global layer indices that model chunk holds."""
+    """layers[rank][chunk] = the global layer indices that model chunk holds.
+
+    recompute[rank]: the activation recomputation the memory partition chose for that rank
+    to even out memory; () where the flags' setting holds for every rank."""
 
     layers: tuple[tuple[range, ...], ...]
+    recompute: tuple[RecomputeConfig, ...] = ()
 
     @property
     def pipeline_size(self) -> int:
@@ -49,7 +53,10 @@ class StageMap:
         for rank, chunks in enumerate(self.layers):
             for chunk, layers in enumerate(chunks):
                 span = f"{layers.start}-{layers.stop - 1}" if len(layers) else "none"
-                lines.append(f"  ({rank}, {chunk}): {span} ({len(layers)} layers)")
+                line = f"  ({rank}, {chunk}): {span} ({len(layers)} layers)"
+                if self.recompute and self.recompute[rank].granularity:
+                    line += f", recomputing {self.recompute[rank].describe()}"
+                lines.append(line)
         return "\n".join(lines)
 
 

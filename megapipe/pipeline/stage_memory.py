@@ -18,6 +18,7 @@ rank of a stage (TP-sharded).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -169,7 +170,13 @@ class MemoryModel:
             return [1]
         return simulate_kind(parallel.schedule, p, v, self.num_microbatches).peak_in_flight
 
-    def stage(self, index: int, chunks: list[int], in_flight: int) -> StageMemory:
+    def stage(
+        self,
+        index: int,
+        chunks: list[int],
+        in_flight: int,
+        recompute: RecomputeConfig | None = None,
+    ) -> StageMemory:
         """Pipeline rank `index` holding model chunks of these layer counts. Activations: the
         peak chunk forwards in flight times the chunks' mean activations per micro-batch."""
         p = self.parallel.pipeline_model_parallel_size
@@ -178,13 +185,14 @@ class MemoryModel:
         layers = sum(chunks)
         count = stage_parameters(self.config, layers, first, last, tp)
         param, grad, state = bytes_per_parameter(self.optimizer, self.data_parallel_size)
+        recompute = recompute or self.recompute  # the memory partition's choice, or the flags'
         per_chunk = [
             stage_activation_bytes(
                 self.config,
                 self.micro_batch_size,
                 tp,
                 sp,
-                self.recompute,
+                recompute,
                 n,
                 first and c == 0,
                 last and c == len(chunks) - 1,
@@ -199,8 +207,9 @@ class MemoryModel:
     def stages(self, stage_map: StageMap) -> list[StageMemory]:
         """The estimate for every pipeline rank of `stage_map`."""
         flights = self.in_flight()
+        recompute = stage_map.recompute or (self.recompute,) * stage_map.pipeline_size
         return [
-            self.stage(rank, [len(chunk) for chunk in chunks], flights[rank])
+            self.stage(rank, [len(chunk) for chunk in chunks], flights[rank], recompute[rank])
             for rank, chunks in enumerate(stage_map.layers)
         ]
 
@@ -238,6 +247,47 @@ def describe(stages: list[StageMemory], measured: list[float | None] | None = No
     return "\n".join(lines)
 
 
+BALANCED = 0.15  # the memory partition's aim: every stage within 15% of the mean
+
+
+def recompute_ladder(layers: int) -> list[RecomputeConfig]:
+    """A stage's recomputation options, keeping ever less: none, selective core_attn,
+    selective core_attn + mlp, then full recomputation of its first 1, 2, ... layers."""
+    return [
+        RecomputeConfig(),
+        RecomputeConfig("selective", modules=("core_attn",)),
+        RecomputeConfig("selective", modules=("core_attn", "mlp")),
+        *(RecomputeConfig("full", "block", n) for n in range(1, layers + 1)),
+    ]
+
+
+def recompute_to_balance(model: MemoryModel, counts: list[int]) -> tuple[RecomputeConfig, ...]:
+    """Per-stage recomputation that evens out what layer counts alone cannot: while the
+    deviation is at least BALANCED, move the stage whose next rung of `recompute_ladder`
+    lowers the deviation most one rung up; stop when no move helps. () when none is needed."""
+    flights = model.in_flight()
+    ladders = [recompute_ladder(n) for n in counts]
+    rungs = [0] * len(counts)
+
+    def deviation_at(trial: list[int]) -> float:
+        return deviation([model.stage(i, [n], flights[i], ladders[i][trial[i]])
+                          for i, n in enumerate(counts)])  # fmt: skip
+
+    current = deviation_at(rungs)
+    while current >= BALANCED:
+        moves = []
+        for i in range(len(counts)):
+            if rungs[i] + 1 < len(ladders[i]):
+                trial = rungs[:i] + [rungs[i] + 1] + rungs[i + 1 :]
+                moves.append((deviation_at(trial), trial))
+        if not moves or min(moves)[0] >= current:
+            break
+        current, rungs = min(moves)
+    if not any(rungs):
+        return ()
+    return tuple(ladders[i][r] for i, r in enumerate(rungs))
+
+
 def measured_line(rank: int, estimate: StageMemory, saved_peak: int, device) -> str:
     """After the first iteration: this stage's measured peak next to the estimate (CUDA: the
     allocator's max allocated against the total; CPU: the peak saved-activation bytes)."""
@@ -268,7 +318,7 @@ def plan_stages(
         estimate = MemoryModel(model, parallel, optimizer, recompute, micro_batch_size,
                                num_microbatches, data_parallel_size)  # fmt: skip
         stage_bytes = estimate.stage_bytes()
-    return partition_layers(
+    stage_map = partition_layers(
         model,
         parallel.pipeline_model_parallel_size,
         parallel.virtual_pipeline_model_parallel_size,
@@ -277,3 +327,7 @@ def plan_stages(
         last=parallel.decoder_last_pipeline_num_layers,
         stage_bytes=stage_bytes,
     )
+    if stage_bytes is not None and recompute.granularity is None:  # the flags leave it to us
+        counts = [len(chunks[0]) for chunks in stage_map.layers]
+        stage_map = dataclasses.replace(stage_map, recompute=recompute_to_balance(estimate, counts))
+    return stage_map

@@ -45,14 +45,18 @@ def build_model_chunks_for(
     seed = configs.training.seed
     tracker = RNGTracker(seed, state.tp_rank, state.pp_rank, state.device)
     tracker.seed_default()
+    stage_map = stage_map or stage_map_for(configs)
+    recompute = configs.recompute  # or what --pipeline-partition memory chose for this stage
+    if stage_map.recompute:
+        recompute = stage_map.recompute[state.pp_rank]
     chunks = build_model_chunks(
         configs.model,
         state,
         tracker,
-        stage_map or stage_map_for(configs),
+        stage_map,
         seed=seed,
         sequence_parallel=configs.parallel.sequence_parallel,
-        recompute=configs.recompute,
+        recompute=recompute,
         kernels=configs.kernels,
     )
     for chunk in chunks:
