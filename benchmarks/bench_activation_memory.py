@@ -34,8 +34,7 @@ from megapipe.model.transformer_layer import TransformerLayer
 from megapipe.parallel.mappings import split_along
 from megapipe.parallel.random import RNGTracker
 from megapipe.parallel.state import ParallelState
-from megapipe.pipeline.partition import partition_layers
-from megapipe.pipeline.stage_memory import MemoryModel, describe, deviation
+from megapipe.pipeline.stage_memory import MemoryModel, describe, deviation, plan_stages
 from megapipe.testing import run_distributed
 
 MODES = {
@@ -116,11 +115,16 @@ def stage_tables() -> dict:
         model = MemoryModel(gpt3, ParallelConfig(pipeline_model_parallel_size=p),
                             OptimizerConfig(bf16=True), RecomputeConfig(), 1, 32, 1)  # fmt: skip
         for method in ("uniform", "memory"):
-            stage_map = partition_layers(gpt3, p, method=method, stage_bytes=model.stage_bytes())
+            parallel = ParallelConfig(pipeline_model_parallel_size=p, pipeline_partition=method)
+            stage_map = plan_stages(gpt3, parallel, micro_batch_size=1, num_microbatches=32,
+                                    optimizer=OptimizerConfig(bf16=True),
+                                    recompute=RecomputeConfig(), data_parallel_size=1)  # fmt: skip
             stages = model.stages(stage_map)
             print(f"\nGPT-3 1.3B, PP={p}, --pipeline-partition {method}")
+            print(stage_map.describe())
             print(describe(stages))
             out[f"PP{p} {method}"] = {"layers": [s.layers for s in stages],
+                                      "recompute": [r.describe() for r in stage_map.recompute],
                                       "total_MiB": [s.total_bytes / 2**20 for s in stages],
                                       "deviation": deviation(stages)}  # fmt: skip
     return out
