@@ -142,7 +142,9 @@ def test_settings_from_a_config_or_namespace_and_unknown_ops() -> None:
     config = KernelConfig(
         attention_backend="flash", rope_fusion=False, cross_entropy_loss_fusion=True
     )
-    expected = KernelSettings(rope_fusion=False, cross_entropy_loss_fusion=True)
+    expected = KernelSettings(
+        attention_backend="flash", rope_fusion=False, cross_entropy_loss_fusion=True
+    )
     assert KernelSettings.from_object(config) == expected
     with pytest.raises(KeyError, match="no kernel op 'gelu'"):
         choose_kernels(settings, "cpu").op("gelu")

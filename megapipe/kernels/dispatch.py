@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from megapipe.config import KernelConfig
 from megapipe.errors import ConfigError
 from megapipe.kernels import (
     bias_dropout_add,
@@ -87,19 +88,12 @@ TRANSFORMER_IMPLS = ("local", "transformer_engine")
 
 
 @dataclass(frozen=True)
-class KernelSettings:
-    """What the flags allow (Megatron's names and defaults); the device and the installed
-    libraries decide the rest. persist_layer_norm picks between apex's persistent and plain
-    fused norm kernels inside the norm ops; it does not change which library runs."""
+class KernelSettings(KernelConfig):
+    """What the flags allow (`config.KernelConfig`: Megatron's switches and defaults) plus
+    `compile_ops`; the device and the installed libraries decide the rest. persist_layer_norm
+    picks between apex's persistent and plain fused norm kernels inside the norm ops; it does
+    not change which library runs."""
 
-    transformer_impl: str = "local"
-    bias_gelu_fusion: bool = True
-    bias_dropout_fusion: bool = True
-    bias_swiglu_fusion: bool = True
-    masked_softmax_fusion: bool = True
-    rope_fusion: bool = True
-    persist_layer_norm: bool = True
-    cross_entropy_loss_fusion: bool = False  # Megatron's default: off
     compile_ops: tuple[str, ...] = ()  # ops to run under torch.compile instead of Triton
 
     @classmethod

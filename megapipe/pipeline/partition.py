@@ -140,26 +140,6 @@ def min_max_counts(num_layers: int, stages: int, cost: Callable[[int, int], floa
     return counts[::-1]
 
 
-def _closest_counts(table: list[list[float]], n: int, target: float) -> list[int]:
-    """Contiguous counts minimising the largest |table[stage][count] - target|."""
-    stages = len(table)
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]
-    choice = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0.0
-    for s in range(1, stages + 1):
-        for k in range(s, n - (stages - s) + 1):
-            for j in range(s - 1, k):
-                value = max(best[s - 1][j], abs(table[s - 1][k - j] - target))
-                if value < best[s][k]:
-                    best[s][k], choice[s][k] = value, j
-    counts, k = [], n
-    for s in range(stages, 0, -1):
-        counts.append(k - choice[s][k])
-        k = choice[s][k]
-    return counts[::-1]
-
-
 def even_counts(
     num_layers: int, stages: int, cost: Callable[[int, int], float], targets: int = 48
 ) -> list[int]:
@@ -184,7 +164,9 @@ def even_counts(
     high = max(baseline)
     levels += [low + (high - low) * i / (targets - 1) for i in range(targets)]
     for level in levels:
-        counts = _closest_counts(table, num_layers, level)
+        counts = min_max_counts(
+            num_layers, stages, lambda s, k, level=level: abs(table[s][k] - level)
+        )
         if score(counts) < score(best):
             best = counts
     return best
