@@ -26,6 +26,7 @@ from megapipe.inference.sampling import SamplingOptions, filtered_logits, sample
 from megapipe.parallel.state import ParallelState
 from megapipe.testing import run_distributed
 from tests.test_checkpoint_resume import MOCK, NO_DROPOUT, run
+from tests.test_hf_export import _random_hf
 
 transformers = pytest.importorskip("transformers")
 
@@ -138,24 +139,6 @@ def test_sampling_is_seeded_and_stops_at_eod(trained) -> None:
     assert results[1].tokens == greedy[1][: greedy[1].index(stop_at) + 1]
     assert stop_at not in greedy[0]
     assert not results[0].stopped_at_eod and results[0].tokens == greedy[0]
-
-
-def _random_hf(kind: str, directory: Path) -> None:
-    torch.manual_seed(0)
-    if kind == "gpt2":
-        config = transformers.GPT2Config(
-            vocab_size=100, n_positions=32, n_embd=32, n_layer=2, n_head=4,
-            activation_function="gelu", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-        )  # fmt: skip
-        model = transformers.GPT2LMHeadModel(config)
-    else:
-        config = transformers.LlamaConfig(
-            vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-            rope_theta=1000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
-        )  # fmt: skip
-        model = transformers.LlamaForCausalLM(config)
-    model.save_pretrained(str(directory))
 
 
 def _logits_on_ranks(rank: int, world: int, load: str, tp: int, pp: int, tokens):
