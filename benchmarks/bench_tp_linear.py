@@ -45,6 +45,7 @@ from megapipe.layers import ColumnParallelLinear, RowParallelLinear, VocabParall
 from megapipe.layers.cross_entropy import masked_mean
 from megapipe.layers.weight_grad import WeightGradStore
 from megapipe.model import GPTModel
+from megapipe.model.activation_memory import saved_activation_bytes
 from megapipe.parallel import mappings
 from megapipe.parallel.random import RNGTracker
 from megapipe.parallel.state import ParallelState
@@ -159,19 +160,8 @@ class Variant:
         return grads
 
     def saved_bytes(self) -> int:
-        params = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
-        seen: dict[int, int] = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in params:
-                seen[storage.data_ptr()] = storage.nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = self.loss(0)
-        del loss  # no backward: the graph and what it saved go
-        return sum(seen.values())
+        # no backward: the graph and what it saved go with the loss
+        return saved_activation_bytes(lambda: self.loss(0), self.model.parameters())
 
 
 def _rank(rank: int, world: int, args: argparse.Namespace) -> dict:

@@ -17,11 +17,35 @@ import json
 import os
 import shutil
 from collections.abc import Callable
+from typing import NamedTuple
 
 EOD_TOKEN = "<|endoftext|>"
 
 
-def _arg(args: dict[str, str], name: str) -> object:
+class SavedTokenizer(NamedTuple):
+    """The tokenizer flags a run saved in its checkpoint (Megatron's inference included:
+    vocab and merges files without a type mean GPT2BPETokenizer)."""
+
+    kind: str | None
+    model: str | None
+    vocab: str | None
+    merges: str | None
+    vocab_size: int | None
+
+
+def saved_tokenizer(args: dict[str, str]) -> SavedTokenizer:
+    """The tokenizer flags of a checkpoint's saved arguments."""
+    kind = saved_arg(args, "tokenizer_type")
+    vocab, merges, model = (
+        saved_arg(args, n) for n in ("vocab_file", "merge_file", "tokenizer_model")
+    )
+    if kind is None and vocab and merges:
+        kind = "GPT2BPETokenizer"
+    return SavedTokenizer(kind, model, vocab, merges, saved_arg(args, "vocab_size"))
+
+
+def saved_arg(args: dict[str, str], name: str) -> object:
+    """One saved argument's value (its repr read back), or None when it was not saved."""
     text = args.get(name)
     if text is None:
         return None
@@ -41,13 +65,10 @@ def eod_id(args: dict[str, str], vocab_size: int) -> int | None:
     from megapipe.data.errors import TokenizerError
     from megapipe.data.tokenizers import TokenizerSpec, build_tokenizer
 
-    kind = _arg(args, "tokenizer_type")
-    vocab, merges, model = (_arg(args, n) for n in ("vocab_file", "merge_file", "tokenizer_model"))
-    if kind is None and vocab and merges:
-        kind = "GPT2BPETokenizer"
+    kind, model, vocab, merges, vocab_size_flag = saved_tokenizer(args)
     if kind is None:
         return None
-    spec = TokenizerSpec(kind, model, vocab, merges, _arg(args, "vocab_size"))
+    spec = TokenizerSpec(kind, model, vocab, merges, vocab_size_flag)
     try:
         eod = build_tokenizer(spec).eod
     except (TokenizerError, OSError, ValueError):
@@ -60,10 +81,7 @@ def write_tokenizer_files(
 ) -> str | None:
     """Write the run's tokenizer into `save_dir`; returns its transformers class name, or None
     (with a line saying why) when there is nothing that transformers would read the same way."""
-    kind = _arg(args, "tokenizer_type")
-    vocab, merges, model = (_arg(args, n) for n in ("vocab_file", "merge_file", "tokenizer_model"))
-    if kind is None and vocab and merges:
-        kind = "GPT2BPETokenizer"
+    kind, model, vocab, merges, _ = saved_tokenizer(args)
     missing = [p for p in (vocab, merges, model) if isinstance(p, str) and not os.path.exists(p)]
     if kind is None or kind == "NullTokenizer":
         say(" no tokenizer files written: the run had no tokenizer (mock data or NullTokenizer)")
@@ -97,7 +115,7 @@ def write_tokenizer_files(
             return None
         from megapipe.checkpointing.hf_sentencepiece import write_sentencepiece_files
 
-        extra = _arg(args, "vocab_extra_ids") or 0
+        extra = saved_arg(args, "vocab_extra_ids") or 0
         return write_sentencepiece_files(model, kind, save_dir, say, vocab_extra_ids=extra)
     else:
         say(

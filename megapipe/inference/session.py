@@ -11,12 +11,12 @@ writes token ids, space-separated, as Megatron's NullTokenizer, and never stops 
 from __future__ import annotations
 
 import argparse
-import ast
 import sys
 from dataclasses import dataclass
 
 import torch
 
+from megapipe.checkpointing.hf_tokenizer import saved_tokenizer
 from megapipe.data.errors import TokenizerError
 from megapipe.data.tokenizers.base import TOKENIZER_TYPES, Tokenizer, TokenizerSpec
 from megapipe.data.tokenizers.factory import build_tokenizer
@@ -86,29 +86,21 @@ class Session:
             raise GenerationError(f"{what} {text[:40]!r}: {error}") from None
 
 
-def _saved(args: dict[str, str], name: str) -> object:
-    text = args.get(name)
-    try:
-        return None if text is None else ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        return text
-
-
 def build_session_tokenizer(
     args: argparse.Namespace, model: InferenceModel
 ) -> tuple[Tokenizer, int | None]:
     """The tokenizer the flags name, else the checkpoint's; and the EOD id to stop at."""
-    given = {name: getattr(args, name) for name in TOKENIZER_FLAGS}
-    if not any(value is not None for value in given.values()):
-        given = {name: _saved(model.args, name) for name in TOKENIZER_FLAGS}
-    kind = given["tokenizer_type"]
-    if kind is None and given["vocab_file"] and given["merge_file"]:
-        kind = "GPT2BPETokenizer"
+    flags = [getattr(args, name) for name in TOKENIZER_FLAGS]
+    if any(value is not None for value in flags):
+        kind, model_file, vocab_file, merge_file, vocab_size_flag = flags
+        if kind is None and vocab_file and merge_file:
+            kind = "GPT2BPETokenizer"
+    else:
+        kind, model_file, vocab_file, merge_file, vocab_size_flag = saved_tokenizer(model.args)
     vocab = model.config.vocab_size
     if kind is None:  # trained without a tokenizer: token ids in, token ids out
         return NullTokenizer(vocab), None
-    spec = TokenizerSpec(kind, given["tokenizer_model"], given["vocab_file"],
-                         given["merge_file"], given["vocab_size"])  # fmt: skip
+    spec = TokenizerSpec(kind, model_file, vocab_file, merge_file, vocab_size_flag)
     tokenizer = build_tokenizer(spec)
     if tokenizer.vocab_size > vocab:
         raise GenerationError(
