@@ -2,7 +2,9 @@
 
 Thin on purpose: parse and validate -> join the process group -> build groups -> train.
 Validation runs before any process group exists, identically on every rank, so a bad flag makes
-every rank exit with status 2 and one line on stderr instead of a hang or a traceback.
+every rank exit with status 2 and one line on stderr instead of a hang or a traceback. Bad data
+or a bad checkpoint found later exits with status 1 and one line. `--debug` (or MEGAPIPE_DEBUG=1)
+prints the traceback above that line.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch.distributed as dist
 from megapipe.arguments import PROG, parse_args
 from megapipe.checkpointing.errors import CheckpointError
 from megapipe.data.errors import DataError
-from megapipe.errors import ConfigError
+from megapipe.errors import ConfigError, error_line, split_debug
 from megapipe.parallel import ParallelState, initialize_distributed
 from megapipe.training import train
 from megapipe.training.step import NonFiniteLossError
@@ -41,13 +43,14 @@ def _say(line: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one rank of the job; returns the process exit status."""
+    argv, debug = split_debug(sys.argv[1:] if argv is None else argv)
     try:
         world_size = _world_size()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # reported below, once, from rank 0
             configs = parse_args(argv, world_size)
     except ConfigError as error:
-        _say(f"{PROG}: error: {error}")
+        _say(error_line(PROG, error, debug))
         return 2
     if os.environ.get("RANK", "0") == "0":
         for note in configs.warnings:
@@ -63,10 +66,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         train(configs, state)
     except ConfigError as error:  # found once the device is known (a forced kernel missing)
-        _say(f"{PROG}: error: {error}")
+        _say(error_line(PROG, error, debug))
         return 2
     except (NonFiniteLossError, DataError, CheckpointError) as error:
-        _say(f"{PROG}: error: {error}")
+        _say(error_line(PROG, error, debug))
         return 1
     finally:
         dist.destroy_process_group()

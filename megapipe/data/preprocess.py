@@ -26,7 +26,7 @@ from megapipe.data.errors import DataError
 from megapipe.data.indexed_builder import IndexedDatasetBuilder
 from megapipe.data.indexed_format import token_dtype
 from megapipe.data.input_issues import IssueLog
-from megapipe.data.jsonl import open_input, read_chunks
+from megapipe.data.jsonl import MAX_LINE_BYTES, open_input, read_chunks
 from megapipe.data.progress import Progress
 from megapipe.data.tokenizers import TokenizerSpec
 
@@ -47,6 +47,7 @@ class PreprocessOptions:
     log_interval: int = 1000
     chunk_lines: int = 256
     chunk_bytes: int = 512 << 10
+    max_line_bytes: int = MAX_LINE_BYTES  # a longer line is skipped as "line too long"
 
 
 @dataclass
@@ -69,7 +70,9 @@ class PreprocessReport:
 
 
 def _encoded_chunks(options: PreprocessOptions, settings: EncodeSettings) -> Iterator[EncodedChunk]:
-    chunks = read_chunks(options.input, options.chunk_lines, options.chunk_bytes)
+    chunks = read_chunks(
+        options.input, options.chunk_lines, options.chunk_bytes, options.max_line_bytes
+    )
     if options.workers <= 1:
         for chunk in chunks:
             yield encode_chunk(settings, chunk)

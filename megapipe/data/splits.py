@@ -23,11 +23,12 @@ def normalize(weights: list[float]) -> list[float]:
 
 def parse_split(split: str) -> list[float]:
     """`"969, 30, 1"` -> [0.969, 0.03, 0.001]; missing parts are 0."""
-    parts = [float(x) for x in re.findall(r"[.0-9]+", split) if x != "."]
+    pieces = [piece.strip() for piece in re.split(r"[,/]", split)]
+    if not all(re.fullmatch(r"\d+(\.\d*)?|\.\d+", piece) for piece in pieces if piece):
+        raise DataError(f"--split {split!r}: only numbers separated by commas are allowed")
+    parts = [float(piece) for piece in pieces if piece]
     if not parts or len(parts) > len(SPLIT_NAMES):
         raise DataError(f"--split {split!r}: expected 1 to 3 numbers, like 969,30,1")
-    if re.sub(r"[\s.,/0-9]", "", split):
-        raise DataError(f"--split {split!r}: only numbers separated by commas are allowed")
     parts += [0.0] * (len(SPLIT_NAMES) - len(parts))
     if sum(parts) <= 0:
         raise DataError(f"--split {split!r}: the parts sum to zero")

@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 
 from megapipe.data.errors import DataError
 from megapipe.data.tokenizers import TOKENIZER_TYPES, TokenizerSpec
+from megapipe.errors import error_line, split_debug
 
 
 def add_tokenizer_args(parser: argparse.ArgumentParser, required: bool = True) -> None:
@@ -42,11 +43,13 @@ def tokenizer_spec(args: argparse.Namespace) -> TokenizerSpec:
 
 
 def run_tool(prog: str, main: Callable[[Sequence[str] | None], int], argv=None) -> int:
-    """Run `main`; bad data becomes one line on stderr and exit status 1, Ctrl-C status 130."""
+    """Run `main`; bad data becomes one line on stderr and exit status 1 (`--debug`, taken out
+    of argv here, prints the traceback first), Ctrl-C status 130."""
+    argv, debug = split_debug(sys.argv[1:] if argv is None else argv)
     try:
         return main(argv)
     except (DataError, OSError) as error:  # bad input, or a full disk: one line, no output
-        print(f"{prog}: error: {error}", file=sys.stderr, flush=True)
+        print(error_line(prog, error, debug), file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt:
         print(f"{prog}: interrupted; no output written", file=sys.stderr, flush=True)

@@ -20,7 +20,7 @@ from megapipe.checkpointing.errors import CheckpointError  # noqa: E402
 from megapipe.checkpointing.hf_export import export_hf  # noqa: E402
 from megapipe.checkpointing.hf_import import import_hf  # noqa: E402
 from megapipe.checkpointing.hf_safetensors import DEFAULT_MAX_SHARD_SIZE  # noqa: E402
-from megapipe.errors import ConfigError  # noqa: E402
+from megapipe.errors import ConfigError, error_line, split_debug  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Convert; a bad checkpoint or layout is one line on stderr and exit status 2 (`--debug`:
+    the traceback first)."""
+    argv, debug = split_debug(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     if args.loader == "hf" and args.saver == "hf":
         print("convert.py: error: --loader hf with --saver hf: nothing to convert", file=sys.stderr)
@@ -97,8 +100,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.target_pipeline_model_parallel_size,
             args.target_ckpt_format,
         )
-    except (CheckpointError, ConfigError) as error:
-        print(f"convert.py: error: {error}", file=sys.stderr)
+    except (CheckpointError, ConfigError, OSError) as error:
+        print(error_line("convert.py", error, debug), file=sys.stderr)
         return 2
     print("note: model weights only; the optimizer state was dropped (load with --no-load-optim)")
     return 0
