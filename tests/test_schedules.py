@@ -58,31 +58,32 @@ def test_communication_is_paired_with_the_neighbouring_compute():
     assert text == "F0 [send-F0.0@1] F1 [recv-B0.0@1 send-F1.0@1] B0 [recv-B1.0@1] B1"
 
 
-def test_naive_blocking_order_deadlocks_and_the_simulator_says_where():
-    # Rank 0 sends F1 before receiving B0, rank 1 sends B0 before receiving F1: with
-    # rendezvous p2p and separate (unbatched) transfers, each waits for the other forever.
+def test_a_dependency_cycle_deadlocks_and_the_simulator_says_where():
+    # Rank 0 posts its send of F0 only after B0, which needs rank 1's gradient, which needs
+    # F0's output: each rank waits for the other forever.
     rank0 = [
         Compute("F", 0),
-        Comm((P2P("send", "F", 0, 0, 1),)),
-        Compute("F", 1),
-        Comm((P2P("send", "F", 1, 0, 1),)),
         Comm((P2P("recv", "B", 0, 0, 1),)),
         Compute("B", 0),
-        Comm((P2P("recv", "B", 1, 0, 1),)),
-        Compute("B", 1),
+        Comm((P2P("send", "F", 0, 0, 1),)),
     ]
     rank1 = [
         Comm((P2P("recv", "F", 0, 0, 0),)),
         Compute("F", 0),
         Compute("B", 0),
         Comm((P2P("send", "B", 0, 0, 0),)),
-        Comm((P2P("recv", "F", 1, 0, 0),)),
-        Compute("F", 1),
-        Compute("B", 1),
-        Comm((P2P("send", "B", 1, 0, 0),)),
     ]
-    with pytest.raises(ScheduleError, match="deadlock: rank 0 waits in .*send-F1.*rank 1"):
-        simulate([rank0, rank1], 2)
+    with pytest.raises(ScheduleError, match=r"deadlock: rank 0 waits in B0 .*rank 1 waits in F0"):
+        simulate([rank0, rank1], 1)
+
+
+def test_a_send_nobody_receives_deadlocks_at_the_drain():
+    # p2p waits for a batch's sends after posting the next batch: a receive that is posted
+    # only after the peer's wait (here: never) leaves that rank waiting for its send.
+    rank0 = [Compute("F", 0), Comm((P2P("send", "F", 0, 0, 1),))]
+    rank1 = [Comm((P2P("recv", "F", 1, 0, 0),))]  # the wrong micro-batch
+    with pytest.raises(ScheduleError, match=r"rank 0 waits in its end \(for its send-F0"):
+        simulate([rank0, rank1], 1, forward_only=True)
 
 
 def test_transfers_posted_in_different_orders_are_caught():
@@ -184,3 +185,111 @@ def test_forward_only_is_not_a_training_schedule_and_checks_its_sizes():
         build_schedule("forward-only", 2, 1, 0, 0)
     with pytest.raises(ConfigError, match="--pipeline-model-parallel-size > 1"):
         build_schedule("forward-only", 1, 2, 4, 0)
+
+
+ZERO_BUBBLE_GRID = [(kind, p, v, m, ahead)
+                    for kind, vs in (("zero-bubble-h1", [1]), ("interleaved-zero-bubble", [2, 3]))
+                    for v in vs for p in (2, 3, 4, 8) for m in (1, 2, 3, 4, 5, 8, 12, 16)
+                    for ahead in (False, True)
+                    if kind == "zero-bubble-h1" or m % p == 0]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind,p,v,m,ahead", ZERO_BUBBLE_GRID)
+def test_zero_bubble_schedules_are_complete_deadlock_free_and_less_idle(kind, p, v, m, ahead):
+    sim = simulate_kind(kind, p, v, m, post_ahead=ahead)  # raises on deadlock or missing F/B/W
+    base = simulate_kind("1f1b" if v == 1 else "interleaved-1f1b", p, v, m)
+    for rank in range(p):
+        assert sim.busy(rank) == pytest.approx(3.0 * m)  # F, B and W 1/v each
+        assert sim.bubble_fraction(rank) < base.bubble_fraction(rank)
+    # at the activation memory of the schedule it splits: no rank holds more micro-batches
+    # (forward done, weight gradient not yet) than the unsplit schedule's busiest rank
+    assert max(sim.peak_in_flight) == max(base.peak_in_flight)
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+@pytest.mark.parametrize("m", [8, 16])
+@pytest.mark.parametrize("f,b,w", [(1.0, 1.0, 1.0), (1.0, 1.5, 0.5)])
+def test_zero_bubble_h1_idles_as_the_paper_says(p, m, f, b, w):
+    # Qi et al. 2023, Table 2 (m >= p): 1F1B idles (p-1)(T_F + T_B + T_W) on every rank, ZB-H1
+    # (p-1)(T_F + T_B - T_W), T_B being the input gradient only: a third when all are equal.
+    zb = simulate_kind("zero-bubble-h1", p, 1, m, forward_cost=f, backward_cost=b, weight_cost=w)
+    one_f_one_b = simulate_kind("1f1b", p, 1, m, forward_cost=f, backward_cost=b + w)
+    for rank in range(p):
+        assert zb.idle(rank) == pytest.approx((p - 1) * (f + b - w))
+        assert one_f_one_b.idle(rank) == pytest.approx((p - 1) * (f + b + w))
+    if f == b == w:
+        assert zb.bubble_fraction() == pytest.approx(one_f_one_b.bubble_fraction() / 3)
+        assert zb.bubble_fraction() == pytest.approx((p - 1) / (3 * m))
+
+
+def test_zero_bubble_h1_holds_p_micro_batches_on_every_rank():
+    # ZB-H1 evens the in-flight count out at 1F1B's rank-0 peak (the paper's memory argument)
+    for p, m in [(2, 8), (4, 8), (4, 2), (8, 16)]:
+        assert simulate_kind("zero-bubble-h1", p, 1, m).peak_in_flight == [min(p, m)] * p
+
+
+def test_interleaved_zero_bubble_bubble():
+    # Pinned from the simulator, not from a paper: with rank r's W 2r backwards late, each rank
+    # idles (2p - 3) chunk-costs, against interleaved 1F1B's 3(p - 1): a third at p = 2, two
+    # thirds as p grows; never below ZB-H1's (p - 1) / v.
+    for p, v, m in [(2, 2, 8), (4, 2, 8), (4, 3, 8), (8, 2, 16)]:
+        sim = simulate_kind("interleaved-zero-bubble", p, v, m)
+        assert sim.bubble_fraction() == pytest.approx((2 * p - 3) / (3 * v * m))
+
+
+def test_zero_bubble_h1_order_defers_each_w_by_the_rank():
+    # hand-derived from the paper's rule for p = 4, rank 1 (warm-up of p - 1 - r = 2 forwards,
+    # then 1F1B, each W one backward late, the last one at the end)
+    order = " ".join(str(a) for a in compute_order("zero-bubble-h1", 4, 1, 6, 1))
+    assert order == "F0 F1 F2 B0 F3 B1 W0 F4 B2 W1 F5 B3 W2 B4 W3 B5 W4 W5"
+    first = " ".join(str(a) for a in compute_order("zero-bubble-h1", 4, 1, 3, 0))
+    assert first == "F0 F1 F2 B0 W0 B1 W1 B2 W2"  # the first stage defers none
+    last = " ".join(str(a) for a in compute_order("zero-bubble-h1", 4, 1, 3, 3))
+    assert last == "F0 B0 F1 B1 F2 B2 W0 W1 W2"  # the last stage p - 1
+
+
+def test_a_w_posts_nothing_and_the_b_send_goes_before_it():
+    text = format_schedule(build_schedule("zero-bubble-h1", 2, 1, 2, 0))
+    assert text == "F0 [send-F0.0@1] F1 [recv-B0.0@1 send-F1.0@1] B0 W0 [recv-B1.0@1] B1 W1"
+    text = format_schedule(build_schedule("zero-bubble-h1", 2, 1, 2, 1))
+    assert text == "[recv-F0.0@0] F0 B0 [send-B0.0@0 recv-F1.0@0] F1 B1 [send-B1.0@0] W0 W1"
+
+
+def test_post_ahead_moves_each_receive_one_unit_earlier():
+    text = format_schedule(build_schedule("1f1b", 2, 1, 2, 0, post_ahead=True))
+    assert text == "F0 [recv-B0.0@1 send-F0.0@1] F1 [recv-B1.0@1 send-F1.0@1] B0 B1"
+    text = format_schedule(build_schedule("zero-bubble-h1", 2, 1, 2, 0, post_ahead=True))
+    # units F0, F1, B0, W0, B1, W1: B1's receive goes out before W0, which does not need it
+    assert text == "F0 [recv-B0.0@1 send-F0.0@1] F1 [send-F1.0@1] B0 [recv-B1.0@1] W0 B1 W1"
+
+
+@pytest.mark.parametrize("kind,v", [("1f1b", 1), ("interleaved-1f1b", 2), ("zero-bubble-h1", 1),
+                                    ("interleaved-zero-bubble", 2)])  # fmt: skip
+def test_posting_ahead_hides_transfer_time(kind, v):
+    for cost in (0.05, 0.2):
+        late = simulate_kind(kind, 4, v, 8, comm_cost=cost).makespan
+        ahead = simulate_kind(kind, 4, v, 8, comm_cost=cost, post_ahead=True).makespan
+        assert ahead < late
+    # free transfers: the same or (interleaved zero-bubble: sends no longer wait on receives
+    # posted late) shorter
+    free = simulate_kind(kind, 4, v, 8, post_ahead=True).makespan
+    assert free <= simulate_kind(kind, 4, v, 8).makespan
+
+
+def test_a_w_before_its_b_is_caught():
+    with pytest.raises(ScheduleError, match="W0 before its B"):
+        simulate([[Compute("F", 0), Compute("W", 0), Compute("B", 0)]], 1)
+
+
+@pytest.mark.parametrize(
+    "kind,p,v,m,fragment",
+    [
+        ("zero-bubble-h1", 2, 2, 4, "interleaved-zero-bubble"),
+        ("interleaved-zero-bubble", 2, 1, 4, "needs virtual pipeline stages"),
+        ("interleaved-zero-bubble", 4, 2, 6, "micro-batches (6)"),
+    ],
+)
+def test_impossible_zero_bubble_schedules_are_rejected(kind, p, v, m, fragment):
+    with pytest.raises(ConfigError) as err:
+        build_schedule(kind, p, v, m, 0)
+    assert fragment in str(err.value)

@@ -1,9 +1,17 @@
 """Pipeline schedules as data: `build_schedule(kind, p, v, m, rank) -> list of actions`.
 
-A schedule is the ordered list of what one pipeline rank does in one training step: forward or
-backward of model chunk `c` on micro-batch `i` (`Compute`), and batches of point-to-point
-transfers posted together and waited on together (`Comm`). The same lists drive the executor,
-the simulator that proves them deadlock-free, and the timeline plots.
+A schedule is the ordered list of what one pipeline rank does in one training step: forward,
+backward or weight-gradient pass of model chunk `c` on micro-batch `i` (`Compute`), and batches
+of point-to-point transfers posted together (`Comm`). The same lists drive the executor, the
+simulator that proves them deadlock-free, and the timeline plots.
+
+Zero-bubble schedules (Qi et al. 2023, "Zero Bubble Pipeline Parallelism") split each backward
+into B, the input gradient (what the previous stage waits for), and W, the weight gradient
+(what nobody waits for), and run W later, where a rank would otherwise idle. `zero-bubble-h1`
+is their ZB-H1: 1F1B's order of forwards and backwards, with rank r running each W r
+backwards late (the rest at the end), so every rank holds at most p micro-batches from F to W,
+1F1B's peak; `interleaved-zero-bubble` does the same to the interleaved order, each rank's W
+2r backwards late, within the interleaved peak of rank 0.
 
 Evaluation runs the `forward-only` schedule: every micro-batch's forward on every chunk, in the
 interleaved order when v > 1, with its transfers derived the same way. It is not a training
@@ -27,15 +35,25 @@ from typing import Literal
 
 from megapipe.errors import ConfigError
 
-SCHEDULE_KINDS = ("no-pipelining", "gpipe", "1f1b", "interleaved-1f1b")
+SCHEDULE_KINDS = (
+    "no-pipelining",
+    "gpipe",
+    "1f1b",
+    "interleaved-1f1b",
+    "zero-bubble-h1",
+    "interleaved-zero-bubble",
+)
+INTERLEAVED_KINDS = ("interleaved-1f1b", "interleaved-zero-bubble")  # need virtual stages
+ZERO_BUBBLE_KINDS = ("zero-bubble-h1", "interleaved-zero-bubble")  # backward split into B + W
 FORWARD_ONLY = "forward-only"  # evaluation: forwards only, no gradients
 
-Phase = Literal["F", "B"]
+Phase = Literal["F", "B", "W"]
 
 
 @dataclass(frozen=True)
 class Compute:
-    """Forward ("F") or backward ("B") of local model chunk `chunk` on micro-batch `microbatch`."""
+    """Forward ("F"), backward ("B") or deferred weight-gradient pass ("W") of local model chunk
+    `chunk` on micro-batch `microbatch`. In schedules without W, B is the whole backward."""
 
     phase: Phase
     microbatch: int
@@ -97,17 +115,23 @@ def validate_schedule(kind: str, p: int, v: int, m: int) -> None:
     _validate_sizes(p, v, m)
     if kind == "no-pipelining" and p != 1:
         raise ConfigError(f"schedule no-pipelining needs --pipeline-model-parallel-size 1, got {p}")
-    if kind != "interleaved-1f1b" and v != 1:
+    interleaved = kind in INTERLEAVED_KINDS
+    if not interleaved and v != 1:
         raise ConfigError(
             f"schedule {kind} runs one model chunk per rank; virtual stages ({v}) "
-            "need the interleaved-1f1b schedule"
+            "need the interleaved-1f1b or interleaved-zero-bubble schedule"
         )
-    if kind == "interleaved-1f1b" and p == 1:
+    if interleaved and p == 1:
         raise ConfigError(
             "virtual pipeline stages need --pipeline-model-parallel-size > 1 "
             "(with one stage there is nothing to interleave)"
         )
-    if kind == "interleaved-1f1b" and m % p:
+    if interleaved and v == 1:
+        raise ConfigError(
+            f"--pipeline-schedule {kind} needs virtual pipeline stages "
+            "(--num-layers-per-virtual-pipeline-stage or --virtual-pipeline-model-parallel-size)"
+        )
+    if interleaved and m % p:
         lower, upper = (m // p) * p, (m // p + 1) * p
         allowed = f"{lower} or {upper}" if lower else f"{upper}"
         raise ConfigError(
@@ -129,13 +153,33 @@ def compute_units(kind: str, p: int, v: int, m: int, rank: int) -> list[Unit]:
     validate_schedule(kind, p, v, m)
     if kind == "gpipe":
         return [(Compute("F", i),) for i in range(m)] + [(Compute("B", i),) for i in range(m)]
-    if kind in ("1f1b", "no-pipelining"):
+    if kind in ("1f1b", "no-pipelining", "zero-bubble-h1"):
         warmup = min(p - rank - 1, m)
         units = [(Compute("F", i),) for i in range(warmup)]
         for j in range(m - warmup):
             units += [(Compute("F", warmup + j),), (Compute("B", j),)]
-        return units + [(Compute("B", i),) for i in range(m - warmup, m)]
-    return _interleaved_units(p, v, m, rank)
+        units += [(Compute("B", i),) for i in range(m - warmup, m)]
+        return _defer_weight_grads(units, lag=rank) if kind == "zero-bubble-h1" else units
+    units = _interleaved_units(p, v, m, rank)
+    return _defer_weight_grads(units, lag=2 * rank) if kind == "interleaved-zero-bubble" else units
+
+
+def _defer_weight_grads(units: list[Unit], lag: int) -> list[Unit]:
+    """Split every backward into B and a W that runs, as a unit of its own, after the backward
+    `lag` backwards later (the last `lag` W's at the end), in backward order.
+
+    While a rank waits on its neighbours (warm-up and cool-down) its W's fill the gap; `lag` W's
+    pending on top of the forwards awaiting their B is what bounds the memory: with rank r's
+    lag r in 1F1B order (2r interleaved), every rank holds what rank 0 holds (ZB-H1's rule).
+    """
+    out: list[Unit] = []
+    pending: list[Compute] = []
+    for unit in units:
+        out.append(unit)
+        pending += [Compute("W", s.microbatch, s.chunk) for s in unit if s.phase == "B"]
+        while len(pending) > lag:
+            out.append((pending.pop(0),))
+    return out + [(w,) for w in pending]
 
 
 def compute_order(kind: str, p: int, v: int, m: int, rank: int) -> list[Compute]:
@@ -174,7 +218,10 @@ def transfer_key(op: P2P, rank: int, p: int) -> tuple[str, int, int, int]:
 
 
 def _neighbours(step: Compute, rank: int, p: int, v: int) -> tuple[P2P | None, P2P | None]:
-    """(what `step` must receive first, what it must send afterwards), or None at the ends."""
+    """(what `step` must receive first, what it must send afterwards), or None at the ends
+    (and for W, which only needs what its own B left behind)."""
+    if step.phase == "W":
+        return None, None
     stage = step.chunk * p + rank
     last = p * v - 1
     prev_stage, next_stage = stage - 1, stage + 1
@@ -191,24 +238,39 @@ def _neighbours(step: Compute, rank: int, p: int, v: int) -> tuple[P2P | None, P
     return recv, send
 
 
-def build_schedule(kind: str, p: int, v: int, m: int, rank: int) -> list[Action]:
+def build_schedule(
+    kind: str, p: int, v: int, m: int, rank: int, *, post_ahead: bool = False
+) -> list[Action]:
     """Every action `rank` performs in one step, communication included.
 
     kind: one of SCHEDULE_KINDS (training), or FORWARD_ONLY (evaluation).
+    post_ahead: post each unit's receives one unit early, in the batch before the previous
+    unit (the first batch holds the first two units' receives), so that data can arrive while
+    the previous unit computes instead of after it; the executor still waits for a receive only
+    just before the compute that needs it. Per peer, receives keep their order, so FIFO
+    matching is unchanged.
     """
     if not 0 <= rank < p:
         raise ConfigError(f"rank {rank} is outside a pipeline of {p} ranks")
+    units = compute_units(kind, p, v, m, rank)
+    ends = [[_neighbours(step, rank, p, v) for step in unit] for unit in units]
+    receives = [[recv for recv, _ in unit_ends if recv is not None] for unit_ends in ends]
+    lead = 1 if post_ahead else 0
+
+    def ordered(ops: list[P2P]) -> list[P2P]:
+        # Sorted by transfer key on both sides, so that several transfers between the same two
+        # ranks are posted in the same order there and here (p2p matches in FIFO order).
+        return sorted(ops, key=lambda op: transfer_key(op, rank, p))
+
     actions: list[Action] = []
     pending_sends: list[P2P] = []
-    for unit in compute_units(kind, p, v, m, rank):
-        ends = [_neighbours(step, rank, p, v) for step in unit]
-        batch = pending_sends + [recv for recv, _ in ends if recv is not None]
+    for k, unit in enumerate(units):
+        batch = [op for j in range(lead) if k == 0 for op in ordered(receives[j])]
+        batch += ordered(pending_sends + (receives[k + lead] if k + lead < len(units) else []))
         if batch:
-            # Sorted by transfer key on both sides, so that several transfers between the same
-            # two ranks are posted in the same order there and here (p2p matches in FIFO order).
-            actions.append(Comm(tuple(sorted(batch, key=lambda op: transfer_key(op, rank, p)))))
+            actions.append(Comm(tuple(batch)))
         actions.extend(unit)
-        pending_sends = [send for _, send in ends if send is not None]
+        pending_sends = [send for _, send in ends[k] if send is not None]
     if pending_sends:
         actions.append(Comm(tuple(pending_sends)))
     return actions

@@ -1,14 +1,19 @@
 """Run every rank's action list together, without processes, to prove a schedule sound.
 
-Semantics are the strict ones: a `Comm` batch completes only when every transfer in it has
-been posted by its peer too (rendezvous send/recv, no buffering), a compute may only start
-once its input has been received, and between two ranks sends and receives must be posted in
-the same order (NCCL and gloo match point-to-point messages first-in first-out). A schedule
-that passes here cannot deadlock on real p2p, and its timeline under a cost model (forward 1,
-backward 2, transfers free) gives the bubble.
+The semantics are the executor's (`executor.py`, `p2p.py`), with rendezvous transfers, the
+strictest a transport can be: a `Comm` batch is posted without waiting, after which the rank waits for
+the sends of its earlier batches, and a send completes only once its peer has posted the
+matching receive (no buffering); a compute waits for the receive it needs, whose
+data leaves when the peer posts the send; between two ranks sends and receives must be posted
+in the same order (NCCL and gloo match point-to-point messages first-in first-out); and at the
+end of the list the rank waits for its last sends. A schedule that passes here cannot deadlock
+on real p2p, and its timeline under a cost model (forward 1, backward 2 or, split, B 1 and
+W 1, transfers `comm_cost` each) gives the bubble.
 
 A forward-only (evaluation) schedule is checked the same way, expecting every forward and no
-backward; its in-flight count is then the outputs computed but not yet sent downstream.
+backward; its in-flight count is then the outputs computed but not yet posted downstream.
+In training, a micro-batch is in flight on a chunk from its forward to its last backward pass
+(B, or W where the schedule splits the backward): what the chunk keeps for it.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from dataclasses import dataclass, field
 
 from megapipe.pipeline.schedules import (
     FORWARD_ONLY,
+    P2P,
+    ZERO_BUBBLE_KINDS,
     Action,
     Comm,
     Compute,
@@ -72,12 +79,13 @@ def simulate(
     backward_cost: float = 2.0,
     comm_cost: float = 0.0,
     forward_only: bool = False,
+    weight_cost: float = 1.0,
 ) -> Simulation:
     """Execute all ranks' lists; raise ScheduleError on deadlock or incomplete work.
 
     forward_only: the lists must run every forward and no backward; `peak_in_flight` then
     counts outputs not yet sent (what an evaluation step holds), not micro-batches awaiting
-    their backward.
+    their backward. Lists with W computes must run one W after each B (weight_cost each).
     """
     p = len(schedules)
     pc = [0] * p
@@ -85,61 +93,84 @@ def simulate(
     posted: dict[tuple, float] = {}  # (side, key) -> post time
     posted_batches: set[tuple[int, int]] = set()
     channel_order: dict[tuple, list] = {}  # (side, (src, dst)) -> transfer keys in post order
-    received: list[set] = [set() for _ in range(p)]
-    forwarded: list[set] = [set() for _ in range(p)]
+    sends: list[list[tuple[P2P, tuple]]] = [[] for _ in range(p)]  # in flight, per rank
     done: list[set] = [set() for _ in range(p)]
     in_flight = [0] * p
     sim = Simulation(p, peak_in_flight=[0] * p)
     last_stage = p * num_chunks - 1
+    split = any(isinstance(a, Compute) and a.phase == "W" for s in schedules for a in s)
+    final_phase = "W" if split else "B"
+    cost = {"F": forward_cost, "B": backward_cost, "W": weight_cost}
 
-    def run_compute(rank: int, step: Compute) -> None:
+    def arrival(side_key: tuple) -> float | None:
+        """When the transfer of one side completes: both sides posted, plus its cost."""
+        side, key = side_key
+        partner = ("recv" if side == "send" else "send", key)
+        if partner not in posted:
+            return None
+        return max(posted[side_key], posted[partner]) + comm_cost
+
+    def try_compute(rank: int, step: Compute) -> bool:
         stage = step.chunk * p + rank
         unit = (step.phase, step.microbatch, step.chunk)
-        if forward_only and step.phase == "B":
+        if forward_only and step.phase != "F":
             raise ScheduleError(f"rank {rank} runs {step} in a forward-only schedule")
         if unit in done[rank]:
             raise ScheduleError(f"rank {rank} runs {step} twice")
+        needs = None
         if step.phase == "F":
             needs = ("F", step.microbatch, stage - 1, stage) if stage > 0 else None
-        else:
-            if (step.microbatch, step.chunk) not in forwarded[rank]:
-                raise ScheduleError(f"rank {rank} runs {step} before its forward")
+        elif ("F" if step.phase == "B" else "B", *unit[1:]) not in done[rank]:
+            before = "forward" if step.phase == "B" else "B"
+            raise ScheduleError(f"rank {rank} runs {step} before its {before}")
+        elif step.phase == "B":
             needs = ("B", step.microbatch, stage + 1, stage) if stage < last_stage else None
-        if needs is not None and needs not in received[rank]:
-            raise ScheduleError(f"rank {rank} runs {step} before receiving its input")
-        cost = forward_cost if step.phase == "F" else backward_cost
-        sim.intervals.append(Interval(rank, step, clock[rank], clock[rank] + cost))
-        clock[rank] += cost
+        start = clock[rank]
+        if needs is not None:
+            if ("recv", needs) not in posted:
+                raise ScheduleError(f"rank {rank} runs {step} before receiving its input")
+            ready = arrival(("recv", needs))
+            if ready is None:
+                return False
+            start = max(start, ready)
+        sim.intervals.append(Interval(rank, step, start, start + cost[step.phase]))
+        clock[rank] = start + cost[step.phase]
         done[rank].add(unit)
         if step.phase == "F":
-            forwarded[rank].add((step.microbatch, step.chunk))
             if not (forward_only and stage == last_stage):  # the last stage keeps only a loss
                 in_flight[rank] += 1
                 sim.peak_in_flight[rank] = max(sim.peak_in_flight[rank], in_flight[rank])
-        else:
+        elif step.phase == final_phase:
             in_flight[rank] -= 1
+        return True
+
+    def try_drain(rank: int, keep: int = 0) -> bool:
+        """Wait for this rank's sends in flight but the newest `keep` (those just posted)."""
+        older = sends[rank][: len(sends[rank]) - keep]
+        finished = [arrival(("send", key)) for _, key in older]
+        if any(t is None for t in finished):
+            return False
+        clock[rank] = max([clock[rank], *finished])
+        del sends[rank][: len(older)]
+        return True
 
     def try_comm(rank: int, batch: Comm) -> bool:
-        keys = [(op.op, transfer_key(op, rank, p)) for op in batch.ops]
+        """Post the batch (once), then wait for the sends of the rank's earlier batches."""
+        new_sends = sum(op.op == "send" for op in batch.ops)
         if (rank, pc[rank]) not in posted_batches:
             posted_batches.add((rank, pc[rank]))
-            for op, side_key in zip(batch.ops, keys):
+            for op in batch.ops:
+                side_key = (op.op, transfer_key(op, rank, p))
                 if side_key in posted:
                     raise ScheduleError(f"rank {rank} posts {side_key} twice")
                 posted[side_key] = clock[rank]
                 pair = (rank, op.peer) if op.op == "send" else (op.peer, rank)
                 channel_order.setdefault((op.op, pair), []).append(side_key[1])
-        partners = [("recv" if side == "send" else "send", key) for side, key in keys]
-        if not all(partner in posted for partner in partners):
-            return False
-        finish = max(max(posted[k], posted[q]) for k, q in zip(keys, partners)) + comm_cost
-        clock[rank] = max(clock[rank], finish)
-        for side, key in keys:
-            if side == "recv":
-                received[rank].add(key)
-            elif forward_only:  # the output is released once it is sent
-                in_flight[rank] -= 1
-        return True
+                if op.op == "send":
+                    sends[rank].append((op, side_key[1]))
+                    if forward_only:  # the output is let go of once it is handed to p2p
+                        in_flight[rank] -= 1
+        return try_drain(rank, keep=new_sends)
 
     progress = True
     while progress:
@@ -147,24 +178,30 @@ def simulate(
         for rank in range(p):
             while pc[rank] < len(schedules[rank]):
                 action = schedules[rank][pc[rank]]
-                if isinstance(action, Compute):
-                    run_compute(rank, action)
-                elif not try_comm(rank, action):
+                ran = (
+                    try_compute(rank, action)
+                    if isinstance(action, Compute)
+                    else try_comm(rank, action)
+                )
+                if not ran:
                     break
                 pc[rank] += 1
                 progress = True
+            if pc[rank] == len(schedules[rank]) and sends[rank] and try_drain(rank):
+                progress = True
 
-    stuck = [r for r in range(p) if pc[r] < len(schedules[r])]
+    stuck = [r for r in range(p) if pc[r] < len(schedules[r]) or sends[r]]
     if stuck:
-        waits = "; ".join(f"rank {r} waits in {schedules[r][pc[r]]}" for r in stuck)
-        raise ScheduleError(f"deadlock: {waits}")
+        raise ScheduleError(
+            "deadlock: " + "; ".join(_waiting(r, schedules, pc, sends) for r in stuck)
+        )
     for (side, pair), order in channel_order.items():
         if side == "send" and order != channel_order.get(("recv", pair)):
             raise ScheduleError(
                 f"ranks {pair[0]} -> {pair[1]} post sends and receives in different orders; "
                 "FIFO matching would swap tensors"
             )
-    phases = "F" if forward_only else "FB"
+    phases = "F" if forward_only else ("FBW" if split else "FB")
     expected = {
         (ph, i, c) for ph in phases for i in range(num_microbatches) for c in range(num_chunks)
     }
@@ -175,13 +212,28 @@ def simulate(
     return sim
 
 
-def simulate_kind(kind: str, p: int, v: int, m: int, **costs: float) -> Simulation:
+def _waiting(rank: int, schedules, pc: list[int], sends) -> str:
+    """What a stuck rank waits for, for the deadlock message."""
+    where = str(schedules[rank][pc[rank]]) if pc[rank] < len(schedules[rank]) else "its end"
+    action = schedules[rank][pc[rank]] if pc[rank] < len(schedules[rank]) else None
+    if isinstance(action, Compute):
+        return f"rank {rank} waits in {where} (for its input)"
+    unsent = " ".join(str(op) for op, _ in sends[rank])
+    return f"rank {rank} waits in {where} (for its {unsent} to be received)"
+
+
+def simulate_kind(
+    kind: str, p: int, v: int, m: int, *, post_ahead: bool = False, **costs: float
+) -> Simulation:
     """Build every rank's schedule of `kind` and simulate them together.
 
-    Per-chunk costs default to 1/v forward and 2/v backward, so a rank's work per micro-batch
-    is 1 + 2 whatever v, and bubble fractions compare across schedules.
+    Per-chunk costs default to 1/v forward and 2/v backward (split: B 1/v and W 1/v, the
+    paper's F = B = W), so a rank's work per micro-batch is 1 + 2 whatever v, and bubble
+    fractions compare across schedules. post_ahead: see `build_schedule`.
     """
+    split = kind in ZERO_BUBBLE_KINDS
     costs.setdefault("forward_cost", 1.0 / v)
-    costs.setdefault("backward_cost", 2.0 / v)
-    schedules = [build_schedule(kind, p, v, m, r) for r in range(p)]
+    costs.setdefault("backward_cost", (1.0 if split else 2.0) / v)
+    costs.setdefault("weight_cost", 1.0 / v)
+    schedules = [build_schedule(kind, p, v, m, r, post_ahead=post_ahead) for r in range(p)]
     return simulate(schedules, m, v, forward_only=kind == FORWARD_ONLY, **costs)
