@@ -15,7 +15,7 @@ import torch
 
 from megapipe.config import KernelConfig
 from megapipe.errors import ConfigError
-from megapipe.kernels import availability, bias_gelu
+from megapipe.kernels import availability, bias_gelu, norm_backends
 from megapipe.kernels.availability import Availability, Probe
 from megapipe.kernels.dispatch import (
     IMPLEMENTATIONS,
@@ -97,6 +97,34 @@ def test_norms_prefer_te_under_transformer_engine_then_apex_then_triton() -> Non
     choices = choose_kernels(KernelSettings(), "cuda", nothing, NORM_TABLE)
     assert choices.reasons["layer_norm"] == "apex: no apex; triton: no triton"
     assert choices.op("layer_norm")() == "reference"
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_the_real_norm_rows_apex_and_te_are_chosen_on_cuda_when_present(op) -> None:
+    """The table's own apex / TE rows (not stand-ins): apex first under local, TE's under
+    transformer_engine, then Triton, then the reference; always the reference on CPU."""
+    kind = "layer_norm" if op == "layer_norm" else "rms_norm"
+    apex_fn = getattr(norm_backends, f"apex_{kind}")
+    te_fn = getattr(norm_backends, f"te_{kind}")
+    local, te = KernelSettings(), KernelSettings(transformer_impl="transformer_engine")
+    assert choose_kernels(local, "cuda", available()).op(op) is apex_fn
+    assert choose_kernels(te, "cuda", available()).op(op) is te_fn
+    assert choose_kernels(te, "cuda", available(apex="no apex")).op(op) is te_fn
+    no_apex = choose_kernels(local, "cuda", available(apex="apex has no normalization"))
+    assert no_apex.chosen[op] == "triton"
+    nothing = choose_kernels(local, "cuda", available(apex="no apex", triton="no triton"))
+    assert nothing.chosen[op] == "reference"
+    assert nothing.reasons[op] == "apex: no apex; triton: no triton"
+    assert choose_kernels(local, "cpu", available()).chosen[op] == "reference"
+
+
+@pytest.mark.parametrize("fn", ["apex_layer_norm", "apex_rms_norm", "te_layer_norm", "te_rms_norm"])
+def test_apex_and_te_norm_rows_refuse_cpu_tensors_in_one_line(fn) -> None:
+    x, weight = torch.randn(2, 8), torch.ones(8)
+    args = (x, weight, None, 1e-5) if "layer" in fn else (x, weight, 1e-5)
+    with pytest.raises(RuntimeError, match="need CUDA tensors") as error:
+        getattr(norm_backends, fn)(*args)
+    assert "\n" not in str(error.value)
 
 
 def test_cross_entropy_fusion_is_opt_in_as_in_megatron() -> None:

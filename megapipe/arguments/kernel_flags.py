@@ -1,13 +1,26 @@
-"""Megatron's kernel flags: --attention-backend, --use-flash-attn, --transformer-impl and the
-fusion switches, as a KernelConfig."""
+"""Megatron's kernel flags: --attention-backend, --use-flash-attn, --transformer-impl, the
+fusion switches and FP8's --fp8-* flags, as a KernelConfig.
+
+What can be checked before the device exists is checked here (TE installed, a CUDA device,
+--fp8-format only with TE); the FP8 compute-capability check needs the device and runs when
+the kernels are chosen (kernels/dispatch.py), through the same pure function."""
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
 
+import torch
+
 from megapipe.config import KernelConfig
 from megapipe.errors import ConfigError
+from megapipe.kernels.availability import Probe
+from megapipe.kernels.transformer_engine import (
+    FP8_AMAX_COMPUTE_ALGOS,
+    FP8_FORMATS,
+    check_fp8_recipe,
+    check_transformer_engine,
+)
 from megapipe.model.attention_backends import ATTENTION_BACKENDS
 
 # (flag, KernelConfig field, the switch's meaning when given)
@@ -43,6 +56,32 @@ def add_kernel_args(group: argparse._ArgumentGroup) -> None:
         help="local: megapipe's layers (with its fused kernels where they run); "
         "transformer_engine: NVIDIA TransformerEngine's layers. Default: local.",
     )
+    group.add_argument(
+        "--fp8-format",
+        choices=FP8_FORMATS,
+        default=None,
+        help="FP8 GEMMs through TransformerEngine (needs --transformer-impl transformer_engine "
+        "and a GPU of compute capability >= 8.9): hybrid = E4M3 forward, E5M2 gradients; "
+        "e4m3 = E4M3 everywhere. Default: no FP8.",
+    )
+    group.add_argument(
+        "--fp8-margin",
+        type=int,
+        default=0,
+        help="Scaling-factor margin of FP8's delayed scaling. Default: 0.",
+    )
+    group.add_argument(
+        "--fp8-amax-history-len",
+        type=int,
+        default=1024,
+        help="Length of the amax history window of FP8's delayed scaling. Default: 1024.",
+    )
+    group.add_argument(
+        "--fp8-amax-compute-algo",
+        choices=FP8_AMAX_COMPUTE_ALGOS,
+        default="max",
+        help="How the scale comes from the amax history. Default: max.",
+    )
     for name, field, value in FUSION_SWITCHES:
         what = name.removeprefix("--no-").removeprefix("--").replace("-", " ")
         help_text = f"Use the fused {what} kernel." if value else f"Do not fuse {what}."
@@ -52,23 +91,42 @@ def add_kernel_args(group: argparse._ArgumentGroup) -> None:
 
 def kernel_config(args: argparse.Namespace) -> KernelConfig:
     """The kernel flags as a KernelConfig; ConfigError for a forced implementation that is
-    missing here (TransformerEngine) or contradictory backend flags."""
+    missing here (TransformerEngine, a CUDA device), FP8 without TransformerEngine, FP8
+    with recomputation, or contradictory backend flags."""
     backend = args.attention_backend
     if args.use_flash_attn:
         if backend not in ("auto", "flash"):
             raise ConfigError(f"--use-flash-attn contradicts --attention-backend {backend}")
         backend = "flash"
-    if args.transformer_impl == "transformer_engine":
-        if importlib.util.find_spec("transformer_engine") is None:
-            raise ConfigError(
-                "--transformer-impl transformer_engine: TransformerEngine is not installed "
-                "(it needs CUDA: pip install transformer_engine[pytorch]); use --transformer-impl "
-                "local"
-            )
+    if args.transformer_impl == "transformer_engine" and (
+        importlib.util.find_spec("transformer_engine") is None
+    ):
         raise ConfigError(
-            "--transformer-impl transformer_engine: megapipe does not drive TransformerEngine's "
-            "layers yet; use --transformer-impl local"
+            "--transformer-impl transformer_engine: TransformerEngine is not installed "
+            "(it needs CUDA: pip install transformer_engine[pytorch]); use --transformer-impl "
+            "local"
+        )
+    check_transformer_engine(
+        args.transformer_impl,
+        args.fp8_format,
+        te=Probe(True, "installed"),  # importable is checked when the kernels are chosen
+        device_type="cuda" if torch.cuda.is_available() else "cpu",
+        capability=None,  # the device is not chosen yet: checked when the kernels are
+    )
+    check_fp8_recipe(args.fp8_margin, args.fp8_amax_history_len, args.fp8_amax_compute_algo)
+    recomputing = getattr(args, "recompute_granularity", None) or (
+        "selective" if getattr(args, "recompute_activations", False) else None
+    )
+    if args.fp8_format is not None and recomputing:
+        raise ConfigError(
+            f"--fp8-format with --recompute-granularity {recomputing}: megapipe's recomputation "
+            "would run the FP8 layers' forward twice and update their amax history twice; "
+            "drop one of them"
         )
     switches = {field: getattr(args, field) for _, field, _ in FUSION_SWITCHES}
+    fp8 = {
+        name: getattr(args, name)
+        for name in ("fp8_format", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo")
+    }
     return KernelConfig(attention_backend=backend, transformer_impl=args.transformer_impl,
-                        **switches)  # fmt: skip
+                        **switches, **fp8)  # fmt: skip

@@ -26,7 +26,8 @@ slow to train with). On CUDA, if the op's switch is off, the reference; else the
 transformer_impl="transformer_engine" and "compile" only for ops in `compile_ops` (where a
 GPU measurement found torch.compile faster than the Triton kernel). A forced choice that
 cannot run (transformer_engine without TransformerEngine) is a ConfigError naming the flag and
-what is missing.
+what is missing, as is --fp8-format without TE or on a GPU without FP8 tensor cores
+(kernels/transformer_engine.py decides both).
 
 Use, once per run, then hand `kernels` (or single ops) to the layers that need them:
 
@@ -55,7 +56,8 @@ from megapipe.kernels import (
     softmax,
     swiglu,
 )
-from megapipe.kernels.availability import Availability, detect
+from megapipe.kernels.availability import Availability, Probe, detect
+from megapipe.kernels.transformer_engine import check_transformer_engine
 
 Table = Mapping[str, Mapping[str, Callable[..., Any]]]
 
@@ -166,32 +168,34 @@ def choose_kernels(
     device: torch.device | str,
     available: Availability | None = None,
     table: Table = IMPLEMENTATIONS,
+    capability: tuple[int, int] | None = None,
 ) -> KernelChoices:
     """Decide every op's implementation for `device`. available: what is installed (probed
-    with `availability.detect()` when None and the device is CUDA; tests pass it in)."""
+    with `availability.detect()` when None and the device is CUDA; tests pass it in).
+    capability: the CUDA device's compute capability for the FP8 check (read from the device
+    when None and --fp8-format is set; tests pass it in)."""
     _check_settings(settings, table)
-    device_type = torch.device(device).type
-    if device_type == "cuda" and available is None:
+    device = torch.device(device)
+    if device.type == "cuda" and available is None:
         available = detect()
-    if settings.transformer_impl == "transformer_engine":
-        if device_type != "cuda":
-            raise ConfigError(
-                "--transformer-impl transformer_engine: TransformerEngine needs a CUDA device "
-                f"and this run is on {device_type}; use --transformer-impl local"
-            )
-        if not available.te.available:
-            raise ConfigError(
-                f"--transformer-impl transformer_engine: TransformerEngine is not usable here "
-                f"({available.te.reason}); use --transformer-impl local"
-            )
+    if device.type == "cuda" and capability is None and settings.fp8_format is not None:
+        capability = torch.cuda.get_device_capability(device)
+    te = available.te if available is not None else Probe(False, "not probed off CUDA")
+    check_transformer_engine(
+        settings.transformer_impl,
+        settings.fp8_format,
+        te=te,
+        device_type=device.type,
+        capability=capability,
+    )
     chosen, reasons = {}, {}
     for op, impls in table.items():
         if "reference" not in impls:
             raise ConfigError(f"kernel op {op!r} has no reference implementation")
-        if device_type == "cuda":
+        if device.type == "cuda":
             chosen[op], reasons[op] = _choose_one(op, impls, settings, available)
         else:
-            chosen[op], reasons[op] = "reference", f"{device_type}: plain torch"
+            chosen[op], reasons[op] = "reference", f"{device.type}: plain torch"
     return KernelChoices(
-        device_type, MappingProxyType(chosen), MappingProxyType(reasons), MappingProxyType(table)
+        device.type, MappingProxyType(chosen), MappingProxyType(reasons), MappingProxyType(table)
     )

@@ -14,7 +14,8 @@ kernels are drop-in for `F.layer_norm` / `F.rms_norm` inside those modules.
 
 Two ops, two tables: `LAYER_NORM_IMPLEMENTATIONS` ("layer_norm") and
 `RMS_NORM_IMPLEMENTATIONS` ("rms_norm"); the Triton kernels are shared
-(`triton_ops/layer_norm.py`, imported on first call).
+(`triton_ops/layer_norm.py`, imported on first call). apex's and TransformerEngine's fused
+norms are the "apex" and "te" rows (kernels/norm_backends.py), also imported on first call.
 """
 
 from __future__ import annotations
@@ -22,6 +23,12 @@ from __future__ import annotations
 import torch
 
 from megapipe.kernels.compiled import Compiled
+from megapipe.kernels.norm_backends import (
+    apex_layer_norm,
+    apex_rms_norm,
+    te_layer_norm,
+    te_rms_norm,
+)
 
 
 def layer_norm_reference(
@@ -84,9 +91,13 @@ LAYER_NORM_IMPLEMENTATIONS = {
     "reference": layer_norm_reference,
     "triton": layer_norm_triton,
     "compile": Compiled(layer_norm_reference),
+    "apex": apex_layer_norm,
+    "te": te_layer_norm,
 }
 RMS_NORM_IMPLEMENTATIONS = {
     "reference": rms_norm_reference,
     "triton": rms_norm_triton,
     "compile": Compiled(rms_norm_reference),
+    "apex": apex_rms_norm,
+    "te": te_rms_norm,
 }

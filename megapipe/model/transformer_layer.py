@@ -19,6 +19,7 @@ from megapipe.model.fused_ops import fused
 from megapipe.model.mlp import MLP
 from megapipe.model.recompute import recompute, wanted
 from megapipe.model.rotary import RotaryEmbedding
+from megapipe.model.te_layers import use_transformer_engine
 from megapipe.parallel.random import RNGTracker
 from megapipe.parallel.state import Group
 
@@ -92,6 +93,10 @@ class TransformerLayer(torch.nn.Module):
         self.mlp = MLP(
             config, tp, output_init_std=output_std, sequence_parallel=sp, kernels=choices
         )
+        if kernels.transformer_impl == "transformer_engine":  # TE's linears and fused norms
+            use_transformer_engine(
+                self, config, tp, kernels, sequence_parallel=sp, output_init_std=output_std
+            )
 
     def forward(
         self,
