@@ -96,12 +96,6 @@ class ParallelConfig:
     sequence_parallel: bool = False
     distributed_backend: str | None = None  # None: nccl when CUDA is present, else gloo
     distributed_timeout_minutes: float = 10.0  # collectives give up after this long
-    # The watchdog (megapipe/training/watchdog.py): a step may run factor x the median step
-    # time (at least min seconds), anything else max seconds (None: the collectives' timeout
-    # plus a minute); factor 0 turns it off.
-    watchdog_timeout_factor: float = 10.0
-    watchdog_min_seconds: float = 60.0
-    watchdog_max_seconds: float | None = None
 
     @property
     def schedule(self) -> str:
@@ -140,16 +134,6 @@ class OptimizerConfig:
     min_loss_scale: float = 1.0
     loss_scale_window: int = 1000
     hysteresis: int = 2
-    # Numerical faults (Megatron's flags): a NaN/Inf loss or gradient stops the run before the
-    # optimizer step; a loss above spiky_loss_factor x the running mean is reported (and stops
-    # the run with exit_on_spiky_loss).
-    check_for_nan_in_loss_and_grad: bool = True
-    check_for_spiky_loss: bool = False
-    spiky_loss_factor: float = 10.0
-    exit_on_spiky_loss: bool = False
-    # --overlap-param-gather (distributed optimizer): the updated parameters' all-gather runs
-    # asynchronously, each bucket waited for at the first forward that uses it.
-    overlap_param_gather: bool = False
 
     @property
     def params_dtype(self) -> torch.dtype:
@@ -187,8 +171,6 @@ class TrainingConfig:
     exit_interval: int | None = None
     exit_duration_in_mins: float | None = None
     exit_signal_handler: bool = False
-    exit_signal: int = 15  # SIGTERM; SIGINT is always handled too (--exit-signal-handler)
-    exit_signal_handler_for_dataloader: bool = False  # accepted: samples are read in-process
 
     def num_microbatches(self, data_parallel_size: int) -> int:
         """Micro-batches per step at the full global batch (validation checked it divides)."""
