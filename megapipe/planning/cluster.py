@@ -1,0 +1,75 @@
+"""The machine a plan is for: GPUs per node, nodes, memory per GPU, peak and bandwidths.
+
+Bandwidths are per GPU and per direction, in GB/s (1e9 bytes/s), as a ring collective sees
+them: NVLink's data-sheet figure is both directions together (A100 600 GB/s -> 300 each way),
+and a DGX gives each GPU its own InfiniBand adapter (8x200 Gb/s -> 25 GB/s per GPU). The
+presets use the data-sheet numbers as they are (no derating for protocol overheads): the
+matmul efficiency below is the one calibrated knob.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from megapipe.training.flops import device_peak_tflops
+
+GIB = 1024.0**3
+
+# The matmul efficiency (achievable fraction of the dense peak) of the GPU presets, calibrated
+# on the first row of Megatron-LM's weak-scaling table (GPT 1.7B on 32 A100s, TP1 PP1 DP32,
+# 137 TFLOP/s per GPU): benchmarks/bench_planner.py --published recomputes it.
+GPU_MATMUL_EFFICIENCY = 0.50
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """GPUs per node x nodes, each with `memory_bytes` and `peak_tflops` (dense, the training
+    dtype); `matmul_efficiency` of that peak is what the model's matmuls achieve."""
+
+    name: str
+    gpus_per_node: int
+    nodes: int
+    memory_bytes: float
+    peak_tflops: float
+    intra_node_gbps: float  # per GPU, per direction (NVLink)
+    inter_node_gbps: float  # per GPU, per direction (InfiniBand)
+    matmul_efficiency: float = GPU_MATMUL_EFFICIENCY
+
+    @property
+    def world_size(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    def with_(self, **changes: object) -> Cluster:
+        """A copy with some fields changed (nodes, memory, ...)."""
+        return dataclasses.replace(self, **changes)
+
+    def describe(self) -> str:
+        return (
+            f"{self.name}: {self.nodes} node(s) x {self.gpus_per_node} GPUs, "
+            f"{self.memory_bytes / GIB:.0f} GiB each, peak {self.peak_tflops:g} TFLOP/s "
+            f"(matmuls at {self.matmul_efficiency:.0%} of it), intra-node "
+            f"{self.intra_node_gbps:g} GB/s, inter-node {self.inter_node_gbps:g} GB/s per GPU"
+        )
+
+
+def _dgx(name: str, device: str, nvlink_bidirectional: float, ib_gbit: float) -> Cluster:
+    return Cluster(
+        name=name,
+        gpus_per_node=8,
+        nodes=1,
+        memory_bytes=80 * GIB,
+        peak_tflops=device_peak_tflops(device, torch.bfloat16),
+        intra_node_gbps=nvlink_bidirectional / 2,
+        inter_node_gbps=ib_gbit / 8,
+    )
+
+
+PRESETS: dict[str, Cluster] = {
+    # 8x A100-80GB SXM, 312 TFLOP/s bf16, NVLink 600 GB/s, 8x 200 Gb/s HDR InfiniBand
+    "dgx-a100": _dgx("DGX A100", "NVIDIA A100-SXM4-80GB", 600.0, 200.0),
+    # 8x H100-80GB SXM, 989.4 TFLOP/s bf16, NVLink 900 GB/s, 8x 400 Gb/s NDR InfiniBand
+    "dgx-h100": _dgx("DGX H100", "NVIDIA H100 80GB HBM3", 900.0, 400.0),
+}

@@ -1,0 +1,101 @@
+"""Bytes per GPU of a layout: pipeline/stage_memory.MemoryModel's numbers, nothing new.
+
+MemoryModel gives each pipeline stage's parameters, gradients, optimizer state and peak
+activations (model/activation_memory's per-layer formula times the micro-batches in flight).
+The planner asks it for two stages only: with a uniform partition the middle stages hold the
+same layers as the first with fewer micro-batches in flight and no embedding, so the largest
+stage is the first or the last (the tests check this against every stage). In-flight counts
+come from schedule_model (closed forms, or the simulator), which is what MemoryModel would
+simulate itself, only faster for long pipelines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megapipe.config import ModelConfig
+from megapipe.pipeline.partition import partition_layers
+from megapipe.pipeline.stage_memory import MemoryModel, StageMemory
+from megapipe.planning.layout import Layout
+from megapipe.planning.schedule_model import in_flight
+
+
+@dataclass(frozen=True)
+class LayoutMemory:
+    """The largest stage's bytes per GPU, by kind."""
+
+    stage: int
+    parameters: int  # on one GPU of that stage
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    in_flight: int
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations
+
+    @classmethod
+    def of(cls, stage: StageMemory) -> LayoutMemory:
+        return cls(stage.stage, stage.parameters, stage.parameter_bytes, stage.gradient_bytes,
+                   stage.optimizer_bytes, stage.activation_bytes, stage.in_flight)  # fmt: skip
+
+
+def memory_model(
+    model: ModelConfig,
+    layout: Layout,
+    global_batch: int,
+    *,
+    half_precision: bool = True,
+    sequence_parallel: bool = False,
+) -> MemoryModel:
+    """The MemoryModel of `layout`, exactly as a run with those flags would build it."""
+    return MemoryModel(
+        model,
+        layout.parallel_config(sequence_parallel),
+        layout.optimizer_config(half_precision),
+        layout.recompute_config,
+        layout.micro_batch,
+        layout.num_microbatches(global_batch),
+        layout.dp,
+    )
+
+
+def candidate_stages(layout: Layout) -> list[int]:
+    """The stages that can be the largest under a uniform partition: the first and the last."""
+    return sorted({0, layout.pp - 1})
+
+
+def stage_memories(
+    model: ModelConfig,
+    layout: Layout,
+    global_batch: int,
+    *,
+    half_precision: bool = True,
+    sequence_parallel: bool = False,
+    stages: list[int] | None = None,
+) -> list[StageMemory]:
+    """MemoryModel.stage for the given pipeline ranks (default: the candidates for the peak)."""
+    estimate = memory_model(model, layout, global_batch, half_precision=half_precision,
+                            sequence_parallel=sequence_parallel)  # fmt: skip
+    stage_map = partition_layers(model, layout.pp, layout.vp)
+    flights = in_flight(layout.schedule, layout.pp, layout.vp, estimate.num_microbatches)
+    ranks = candidate_stages(layout) if stages is None else stages
+    return [
+        estimate.stage(r, [len(chunk) for chunk in stage_map.layers[r]], flights[r]) for r in ranks
+    ]
+
+
+def layout_memory(
+    model: ModelConfig,
+    layout: Layout,
+    global_batch: int,
+    *,
+    half_precision: bool = True,
+    sequence_parallel: bool = False,
+) -> LayoutMemory:
+    """The peak bytes per GPU of `layout`: its largest pipeline stage."""
+    stages = stage_memories(model, layout, global_batch, half_precision=half_precision,
+                            sequence_parallel=sequence_parallel)  # fmt: skip
+    return LayoutMemory.of(max(stages, key=lambda s: s.total_bytes))

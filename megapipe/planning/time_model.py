@@ -1,0 +1,170 @@
+"""Estimated step time of a layout: compute, pipeline bubble, TP / PP / DP communication.
+
+Assumptions (stated, each a knob or a line here):
+
+* Compute: training/flops.py's FLOPs (Megatron's formula: matmuls only, 3 passes, causal
+  attention halved), plus what recomputation runs again (full: every layer's forward;
+  selective: the attention core's), divided over TP, at `matmul_efficiency` x peak. The
+  slowest pipeline stage sets the pace (the last one also computes the logits).
+* Bubble: schedule_model.bubble_fraction x the stage's per-micro-batch time (compute + TP).
+* TP: per layer and micro-batch 2 all-reduces of s b h activations forward and 2 backward
+  (+2 with full recomputation; sequence parallelism's reduce-scatter + all-gather move the
+  same bytes), plus one at the embedding and one at the output layer; a ring all-reduce over t
+  ranks takes 2 (t-1)/t x bytes / bandwidth; NVLink when the TP group fits in a node.
+  `tp_overlap` of it hides behind compute (0: Megatron 2021 and megapipe do not overlap it).
+* PP: 2 (v m + p - 1) sends of s b h activations on the critical path (each forward and
+  backward waits for one; the fill adds p - 1), each split over the TP ranks (Megatron's
+  scatter/gather: every TP rank sends 1/t over its own link); inter-node bandwidth once the
+  world is larger than a node. Not overlapped (megapipe posts and waits per unit).
+* DP: the fp32 gradients all-reduced over d ranks (ring, 2 (d-1)/d x 4 bytes per parameter),
+  or with the distributed optimizer reduce-scattered (fp32) and the updated parameters
+  all-gathered (in their dtype), (d-1)/d x (4 + 2) bytes; NVLink when TP x DP fits in a node.
+  `dp_overlap` of it hides behind the backward (0 by default: off unless --overlap-grad-reduce).
+* Left out: the optimizer step and other memory-bound work (norms, softmax, GeLU), the tied
+  embedding's all-reduce between the first and last stage, data loading, kernel launches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+from megapipe.config import ModelConfig
+from megapipe.pipeline.partition import partition_layers
+from megapipe.pipeline.stage_memory import stage_parameters
+from megapipe.planning.cluster import Cluster
+from megapipe.planning.layout import Layout
+from megapipe.planning.schedule_model import bubble_fraction
+from megapipe.training.flops import flops_per_iteration
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class TimeKnobs:
+    """The overlap fractions and precision the estimate assumes."""
+
+    tp_overlap: float = 0.0
+    dp_overlap: float = 0.0
+    half_precision: bool = True  # bf16/fp16 activations and parameters (else fp32)
+    pp_scatter_gather: bool = True
+
+    @property
+    def dtype_bytes(self) -> int:
+        return 2 if self.half_precision else 4
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds of one step on the slowest stage, by term."""
+
+    compute: float
+    bubble: float
+    tp_comm: float
+    pp_comm: float
+    dp_comm: float
+    bubble_fraction: float
+    flops: int  # model FLOPs of the iteration (Megatron's count, no recomputation)
+    world_size: int
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.bubble + self.tp_comm + self.pp_comm + self.dp_comm
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        """Model TFLOP/s per GPU, as the log line's throughput field counts it."""
+        return self.flops / (self.total * self.world_size * 1e12)
+
+    def terms(self) -> dict[str, float]:
+        return {"compute": self.compute, "bubble": self.bubble, "TP comm": self.tp_comm,
+                "PP comm": self.pp_comm, "DP comm": self.dp_comm}  # fmt: skip
+
+
+@functools.lru_cache(maxsize=1024)
+def _forward_flops(model: ModelConfig, micro_batch: int, padded_vocab: int) -> tuple[int, ...]:
+    """(one layer's, the logits', one layer's attention core's) forward FLOPs per micro-batch,
+    all from flops_per_iteration: the layer is the difference of 1 and 0 layers, the core the
+    part quadratic in the sequence (F(2s) - 2 F(s) = 2 x the s^2 terms)."""
+
+    def forward(**changes: int) -> int:
+        config = dataclasses.replace(model, **changes)
+        return flops_per_iteration(config, micro_batch, padded_vocab_size=padded_vocab) // 3
+
+    def layer(seq: int) -> int:
+        return forward(num_layers=1, seq_length=seq) - forward(num_layers=0, seq_length=seq)
+
+    s = model.seq_length
+    return layer(s), forward(num_layers=0), (layer(2 * s) - 2 * layer(s)) // 2
+
+
+def ring_all_reduce_seconds(nbytes: float, ranks: int, gbps: float) -> float:
+    """A ring all-reduce of `nbytes` over `ranks`: 2 (ranks-1)/ranks x bytes / bandwidth."""
+    return 2 * (ranks - 1) / ranks * nbytes / (gbps * GB) if ranks > 1 else 0.0
+
+
+def tp_bandwidth(cluster: Cluster, layout: Layout) -> float:
+    return (
+        cluster.intra_node_gbps if layout.tp <= cluster.gpus_per_node else cluster.inter_node_gbps
+    )
+
+
+def dp_bandwidth(cluster: Cluster, layout: Layout) -> float:
+    inside = layout.tp * layout.dp <= cluster.gpus_per_node
+    return cluster.intra_node_gbps if inside else cluster.inter_node_gbps
+
+
+def pp_bandwidth(cluster: Cluster, layout: Layout) -> float:
+    inside = layout.tp * layout.dp * layout.pp <= cluster.gpus_per_node
+    return cluster.intra_node_gbps if inside else cluster.inter_node_gbps
+
+
+def step_time(
+    model: ModelConfig,
+    layout: Layout,
+    cluster: Cluster,
+    global_batch: int,
+    knobs: TimeKnobs = TimeKnobs(),
+) -> StepTime:
+    """The estimate of the module docstring for one training step."""
+    t, p, v, d, b = layout.tp, layout.pp, layout.vp, layout.dp, layout.micro_batch
+    m = layout.num_microbatches(global_batch)
+    vocab = model.padded_vocab_size(t)
+    layer_fwd, logits_fwd, core_fwd = _forward_flops(model, b, vocab)
+    recompute = {"none": 0, "selective": core_fwd, "full": layer_fwd}[layout.recompute]
+    rate = cluster.peak_tflops * 1e12 * cluster.matmul_efficiency
+    activation = model.seq_length * b * model.hidden_size * knobs.dtype_bytes
+    all_reduce = ring_all_reduce_seconds(activation, t, tp_bandwidth(cluster, layout))
+    per_layer_all_reduces = 4 + (2 if layout.recompute == "full" else 0)
+    stage_map = partition_layers(model, p, v)
+    param_bytes = knobs.dtype_bytes
+    stages = []
+    for rank in sorted({0, p - 1}):
+        layers = sum(len(chunk) for chunk in stage_map.layers[rank])
+        first, last = rank == 0, rank == p - 1
+        flops = layers * (3 * layer_fwd + recompute) + (3 * logits_fwd if last else 0)
+        compute = flops / t / rate
+        tp = (layers * per_layer_all_reduces + first + last) * all_reduce
+        tp *= 1 - knobs.tp_overlap
+        params = stage_parameters(model, layers, first, last, t)
+        if layout.distributed_optimizer:
+            grads = (d - 1) / d * params * (4 + param_bytes) / (dp_bandwidth(cluster, layout) * GB)
+        else:
+            grads = ring_all_reduce_seconds(params * 4, d, dp_bandwidth(cluster, layout))
+        stages.append((compute + tp, compute, tp, grads * (1 - knobs.dp_overlap)))
+    _, compute, tp, _ = max(stages)
+    dp = max(s[3] for s in stages)
+    beta = bubble_fraction(layout.schedule, p, v, m)
+    p2p = activation / (t if knobs.pp_scatter_gather else 1) / (pp_bandwidth(cluster, layout) * GB)
+    pp = 2 * (v * m + p - 1) * p2p if p > 1 else 0.0
+    return StepTime(
+        compute=m * compute,
+        bubble=beta * m * (compute + tp),
+        tp_comm=m * tp,
+        pp_comm=pp,
+        dp_comm=dp,
+        bubble_fraction=beta,
+        flops=flops_per_iteration(model, global_batch, padded_vocab_size=vocab),
+        world_size=t * p * d,
+    )

@@ -1,0 +1,218 @@
+"""Rank the layouts of a GPT model on a cluster by estimated step time and memory per GPU.
+
+    python tools/plan.py --model-preset gpt3-1.3b --global-batch-size 512 --nodes 4
+    python tools/plan.py --num-layers 24 --hidden-size 2048 --num-attention-heads 16 \\
+        --seq-length 2048 --vocab-size 50257 --global-batch-size 256 --cluster dgx-h100 --nodes 2
+    python tools/plan.py --model-preset megatron-39.1b --explain --show-rejected
+
+Searches TP, PP, VP, DP, micro-batch, recomputation, the distributed optimizer and every
+pipeline schedule megapipe has; prints the best layouts, why the first wins (its time and
+memory terms against the best of each other TP x PP), the bubble of each, and what was
+rejected and why. The model behind the estimates is megapipe/planning (its docstrings state
+every assumption). Exit status 2 with one line naming the flag for bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from megapipe.config import ModelConfig
+from megapipe.planning.cluster import GIB, PRESETS
+from megapipe.planning.layout import RECOMPUTE_MODES
+from megapipe.planning.presets import MEGATRON_WEAK_SCALING, MODELS
+from megapipe.planning.report import format_plan
+from megapipe.planning.search import PlanOptions, plan
+from megapipe.planning.time_model import TimeKnobs
+
+PROG = "plan.py"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, not the usage block
+        print(f"{PROG}: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {value:g}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value:g}")
+    return value
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    return tuple(_positive_int(part) for part in text.split(","))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, description=__doc__.split("\n\n")[0])
+    model = parser.add_argument_group("model (Megatron flag names, or a preset)")
+    model.add_argument("--model-preset", choices=sorted(MODELS), help="A GPT-3 or Megatron size.")
+    for names, help_text in (
+        (("--num-layers", "--layers"), "Transformer layers."),
+        (("--hidden-size", "--hidden"), "Hidden size."),
+        (("--num-attention-heads", "--heads"), "Attention heads."),
+        (("--num-query-groups", "--query-groups"), "Query groups (GQA); default: heads."),
+        (("--vocab-size", "--vocab"), "Vocabulary (padded as Megatron does)."),
+        (("--seq-length", "--seq"), "Sequence length."),
+        (("--ffn-hidden-size", "--ffn"), "MLP size; default 4h (SwiGLU: Megatron's 8h/3)."),
+        (("--global-batch-size", "--global-batch"), "Sequences per step."),
+    ):
+        model.add_argument(*names, type=_positive_int, help=help_text)
+    model.add_argument("--swiglu", action="store_true", help="SwiGLU MLP.")
+    model.add_argument("--attention-dropout", type=_fraction, default=0.1)
+    model.add_argument("--hidden-dropout", type=_fraction, default=0.1)
+
+    cluster = parser.add_argument_group("cluster (a preset, any field overridden)")
+    cluster.add_argument("--cluster", choices=sorted(PRESETS), default="dgx-a100")
+    cluster.add_argument(
+        "--nodes", type=_positive_int, help="Default 1 (Megatron presets: theirs)."
+    )
+    cluster.add_argument("--gpus-per-node", type=_positive_int)
+    cluster.add_argument("--gpu-memory-gib", type=_positive_float)
+    cluster.add_argument("--peak-tflops", type=_positive_float, help="Dense, training dtype.")
+    cluster.add_argument("--intra-node-gbps", type=_positive_float, help="GB/s per GPU, one way.")
+    cluster.add_argument("--inter-node-gbps", type=_positive_float, help="GB/s per GPU, one way.")
+    cluster.add_argument("--matmul-efficiency", type=_fraction, help="Achieved fraction of peak.")
+
+    search = parser.add_argument_group("search and assumptions")
+    search.add_argument("--micro-batch-sizes", type=_int_list, default=(1, 2, 4, 8))
+    search.add_argument("--recompute", default="none,selective,full",
+                        help=f"Comma list of {', '.join(RECOMPUTE_MODES)}.")  # fmt: skip
+    search.add_argument(
+        "--distributed-optimizer", choices=("search", "on", "off"), default="search"
+    )
+    search.add_argument("--schedules", help="Comma list (default: every schedule megapipe has).")
+    search.add_argument("--max-vp", type=_positive_int, default=4, help="Most chunks per rank.")
+    search.add_argument("--allow-cross-node-tp", action="store_true")
+    search.add_argument("--memory-fraction", type=_fraction, default=0.9,
+                        help="Usable fraction of GPU memory. Default 0.9.")  # fmt: skip
+    search.add_argument("--sequence-parallel", action="store_true")
+    search.add_argument("--fp32", action="store_true", help="fp32 instead of bf16.")
+    search.add_argument("--tp-overlap", type=_fraction, default=0.0, help="Hidden TP comm.")
+    search.add_argument("--dp-overlap", type=_fraction, default=0.0, help="Hidden DP comm.")
+
+    output = parser.add_argument_group("output")
+    output.add_argument("--top", type=_positive_int, default=10)
+    output.add_argument("--explain", action="store_true", help="Terms of every listed layout.")
+    output.add_argument("--show-rejected", action="store_true", help="Each rejection's reason.")
+    return parser
+
+
+_MODEL_FIELDS = {
+    "num_layers": "--num-layers",
+    "hidden_size": "--hidden-size",
+    "num_attention_heads": "--num-attention-heads",
+    "vocab_size": "--vocab-size",
+    "seq_length": "--seq-length",
+}
+
+
+def _model(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ModelConfig:
+    base = MODELS.get(args.model_preset)
+    fields = {}
+    for name, flag in _MODEL_FIELDS.items():
+        value = getattr(args, name)
+        if value is None and base is None:
+            parser.error(f"{flag} is required (or --model-preset)")
+        fields[name] = value if value is not None else getattr(base, name)
+    ffn = args.ffn_hidden_size or (base.ffn_hidden_size if base is not None and
+                                   fields["hidden_size"] == base.hidden_size else None)  # fmt: skip
+    model = ModelConfig(
+        **fields,
+        ffn_hidden_size=ffn,
+        num_query_groups=args.num_query_groups,
+        swiglu=args.swiglu,
+        attention_dropout=args.attention_dropout,
+        hidden_dropout=args.hidden_dropout,
+    )
+    if model.hidden_size % model.num_attention_heads:
+        parser.error(f"--hidden-size ({model.hidden_size}) is not divisible by "
+                     f"--num-attention-heads ({model.num_attention_heads})")  # fmt: skip
+    if model.num_attention_heads % model.num_query_groups:
+        parser.error(f"--num-attention-heads ({model.num_attention_heads}) is not divisible by "
+                     f"--num-query-groups ({model.num_query_groups})")  # fmt: skip
+    return model
+
+
+def _names(text: str, allowed: Sequence[str], flag: str, parser: argparse.ArgumentParser):
+    names = tuple(part.strip() for part in text.split(","))
+    for name in names:
+        if name not in allowed:
+            parser.error(f"{flag}: {name!r} is not one of {', '.join(allowed)}")
+    return names
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    model = _model(args, parser)
+    published = {run.name: run for run in MEGATRON_WEAK_SCALING}.get(args.model_preset)
+    global_batch = args.global_batch_size or (published.batch if published else None)
+    if global_batch is None:
+        parser.error("--global-batch-size is required")
+    cluster = PRESETS[args.cluster]
+    nodes = args.nodes or (published.gpus // cluster.gpus_per_node if published else 1)
+    changes = {"nodes": nodes}
+    for field, value in (
+        ("gpus_per_node", args.gpus_per_node),
+        ("memory_bytes", args.gpu_memory_gib * GIB if args.gpu_memory_gib else None),
+        ("peak_tflops", args.peak_tflops),
+        ("intra_node_gbps", args.intra_node_gbps),
+        ("inter_node_gbps", args.inter_node_gbps),
+        ("matmul_efficiency", args.matmul_efficiency),
+    ):
+        if value is not None:
+            changes[field] = value
+    cluster = cluster.with_(**changes)
+    if cluster.matmul_efficiency <= 0:
+        parser.error("--matmul-efficiency must be above 0")
+    from megapipe.pipeline.schedules import SCHEDULE_KINDS
+
+    options = PlanOptions(
+        micro_batches=args.micro_batch_sizes,
+        recompute=_names(args.recompute, tuple(RECOMPUTE_MODES), "--recompute", parser),
+        distributed_optimizer={"search": (False, True), "on": (True,), "off": (False,)}[
+            args.distributed_optimizer
+        ],
+        schedules=_names(args.schedules, SCHEDULE_KINDS, "--schedules", parser)
+        if args.schedules
+        else None,
+        max_vp=args.max_vp,
+        allow_cross_node_tp=args.allow_cross_node_tp,
+        memory_fraction=args.memory_fraction or 1.0,
+        sequence_parallel=args.sequence_parallel,
+        knobs=TimeKnobs(args.tp_overlap, args.dp_overlap, half_precision=not args.fp32),
+    )
+    result = plan(model, cluster, global_batch, options)
+    print(format_plan(result, top=args.top, explain=args.explain, show_rejected=args.show_rejected))
+    return 0 if result.ranked else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
