@@ -139,6 +139,11 @@ def validate_optimizer(opt: OptimizerConfig) -> None:
             loss_scale_window=opt.loss_scale_window,
             hysteresis=opt.hysteresis,
         )
+        _require(
+            opt.min_loss_scale <= opt.initial_loss_scale,
+            f"--min-loss-scale ({opt.min_loss_scale}) must not exceed --initial-loss-scale "
+            f"({opt.initial_loss_scale})",
+        )
 
 
 def validate_training(training: TrainingConfig, data_parallel_size: int) -> None:

@@ -1,0 +1,403 @@
+"""The bad-input catalogue: every input megapipe refuses, the one line it prints, and the fix.
+
+Each row is a `Bad`: what the input is, a fragment of the one line that names it (the flag,
+file, line or offset), and what the user should do (the README's troubleshooting table is this
+catalogue: `python tests/test_bad_input.py` prints it). Rows whose rejection path is already
+tested one-for-one elsewhere name that test (`tested=`) instead of running it twice; a test here
+checks that the named test exists and holds the message. Everything else runs here:
+
+- flags, in process through `parse_args` (what `pretrain_gpt.main` calls, before any process
+  group exists: every rank prints the same line and exits 2);
+- data files and tokenizer files named by the flags, the same way;
+- JSONL input to the preprocessor, in process through `preprocess_data.main` under `run_tool`
+  (exit 1), with the output directory checked unchanged;
+- checkpoints, through the loaders, with the checkpoint checked unchanged after the refusal;
+- once per command-line program, as a real subprocess: one line on stderr, the exit status, no
+  traceback, nothing written; and with `--debug`, the traceback above the same line.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import os
+import pickle
+import subprocess
+import sys
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from megapipe.arguments import parse_args
+from megapipe.checkpointing import atomic_dir
+from megapipe.checkpointing.errors import CheckpointError
+from megapipe.checkpointing.legacy_torch import read_file, read_verified
+from megapipe.checkpointing.shards import TensorShard
+from megapipe.checkpointing.torch_dist import load_common, load_sharded, save_sharded
+from megapipe.checkpointing.torch_dist import sharded_keys as read_keys
+from megapipe.data.indexed_builder import IndexedDatasetBuilder
+from megapipe.data.tool_cli import run_tool
+from megapipe.errors import ConfigError
+from tests.test_arguments import argv
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+
+import preprocess_data  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Bad:
+    """One bad input: what it is, what the one line says (a fragment), what to do."""
+
+    what: str
+    says: str
+    fix: str
+    tested: str = ""  # "tests/test_x.py::test_name" when tested one-for-one there
+
+
+def one_line(message: str) -> str:
+    assert message and "\n" not in message and "Traceback" not in message, message
+    return message
+
+
+# --- flags ----------------------------------------------------------------------------------
+# (row, flags for tests.test_arguments.argv, extra raw argv, world size). The base run is tiny:
+# 2 layers, hidden 64, 4 heads, seq 32, micro-batch 2, 10 iterations, mock data, vocabulary 256.
+
+ELSEWHERE_FLAGS = [
+    Bad("hidden size not divisible by the heads",
+        "--hidden-size (100) must be divisible by --num-attention-heads (3)",
+        "choose --hidden-size a multiple of --num-attention-heads",
+        "tests/test_arguments.py::test_hidden_size_not_divisible_by_heads"),
+    Bad("heads not divisible by TP", "--num-attention-heads (6)",
+        "--num-attention-heads (and --num-query-groups) must be multiples of "
+        "--tensor-model-parallel-size", "tests/test_arguments.py::"
+        "test_heads_not_divisible_by_tensor_parallel_size"),
+    Bad("query groups not divisible by TP", "--num-query-groups (2)",
+        "choose --num-query-groups a multiple of --tensor-model-parallel-size",
+        "tests/test_arguments.py::test_query_groups_not_divisible_by_tensor_parallel_size"),
+    Bad("heads not divisible by the query groups", "--num-attention-heads (8)",
+        "choose --num-query-groups dividing --num-attention-heads",
+        "tests/test_arguments.py::test_heads_not_divisible_by_query_groups"),
+    Bad("global batch not a whole number of micro-batches per DP rank",
+        "--global-batch-size (6)", "make --global-batch-size a multiple of --micro-batch-size x DP "
+        "(DP = world size / (TP x PP))", "tests/test_arguments.py::"
+        "test_global_batch_not_a_multiple_of_micro_batch_times_data_parallel"),
+    Bad("sequence longer than the learned position table", "--seq-length (64)",
+        "raise --max-position-embeddings or use --position-embedding-type rope",
+        "tests/test_arguments.py::"
+        "test_seq_length_above_max_position_embeddings_with_learned_positions"),
+    Bad("unknown position embedding", "--position-embedding-type",
+        "use learned_absolute or rope", "tests/test_arguments.py::"
+        "test_unknown_position_embedding_type"),
+    Bad("unknown normalization", "--normalization", "use LayerNorm or RMSNorm",
+        "tests/test_arguments.py::test_unknown_normalization"),
+    Bad("world size not a multiple of TP x PP", "world size (3)",
+        "launch a multiple of TP x PP ranks (--nproc_per_node x nodes)",
+        "tests/test_arguments.py::test_world_size_not_divisible_by_tensor_times_pipeline_parallel"),
+    Bad("layers that do not split over the pipeline stages", "4 pipeline stages",
+        "use a multiple of PP layers, --decoder-first/last-pipeline-num-layers, or "
+        "--pipeline-partition balanced", "tests/test_arguments.py::"
+        "test_layers_that_do_not_split_over_pipeline_stages"),
+    Bad("first/last stage layers that leave an uneven rest", "3 remaining stages",
+        "choose --decoder-first/last-pipeline-num-layers so the rest splits evenly",
+        "tests/test_arguments.py::test_first_and_last_stage_layers_that_do_not_add_up"),
+    Bad("virtual stages without pipeline parallelism", "virtual pipeline stages (2 per rank)",
+        "virtual stages need --pipeline-model-parallel-size > 1",
+        "tests/test_arguments.py::test_virtual_stages_need_pipeline_parallelism"),
+    Bad("virtual stage size that does not divide the layers",
+        "--num-layers-per-virtual-pipeline-stage (2)",
+        "--num-layers must be a multiple of PP x --num-layers-per-virtual-pipeline-stage",
+        "tests/test_arguments.py::test_virtual_stage_size_must_divide_the_layers"),
+    Bad("interleaving with micro-batches not a multiple of PP", "micro-batches (6)",
+        "make global batch / (micro-batch x DP) a multiple of --pipeline-model-parallel-size",
+        "tests/test_arguments.py::"
+        "test_interleaving_needs_a_multiple_of_pipeline_size_micro_batches"),
+    Bad("unknown pipeline schedule", "'zigzag'", "use 1f1b, interleaved-1f1b, gpipe, ...",
+        "tests/test_arguments.py::test_unknown_pipeline_schedule"),
+    Bad("no dataset", "no dataset: pass --mock-data",
+        "give --data-path (or --train-data-path), or --mock-data --vocab-size N",
+        "tests/test_arguments.py::test_missing_mock_data_means_no_dataset"),
+    Bad("mock data without a vocabulary size", "--mock-data needs --vocab-size",
+        "add --vocab-size N (or a tokenizer)", "tests/test_arguments.py::"
+        "test_mock_data_needs_vocab_size"),
+    Bad("unknown flag, bad value, missing required flag", "unrecognized arguments: --no-such-flag",
+        "fix the spelling (the line suggests the closest flag); values must parse as the "
+        "flag's type", "tests/test_arguments.py::test_unknown_flag_and_bad_value_are_config_errors"),
+    Bad("out-of-range sizes, dropouts, backends", "--hidden-dropout",
+        "use a value in the range the line names", "tests/test_arguments.py::"
+        "test_out_of_range_values_name_flag_and_value"),
+    Bad("--distributed-backend nccl without CUDA", "--distributed-backend nccl",
+        "use --distributed-backend gloo on CPU", "tests/test_arguments.py::test_nccl_without_cuda"),
+    Bad("--openai-gelu with --swiglu", "--openai-gelu",
+        "drop one: SwiGLU has no GeLU", "tests/test_arguments.py::"
+        "test_openai_gelu_is_a_model_field_and_refused_with_swiglu"),
+    Bad("--fp16 with --bf16", "--fp16", "pick one precision",
+        "tests/test_arguments.py::test_fp16_and_bf16_together"),
+    Bad("negative --clip-grad", "--clip-grad", "use 0 (off) or a positive norm",
+        "tests/test_arguments.py::test_negative_clip_grad"),
+    Bad("unknown optimizer", "--optimizer", "use adam or sgd",
+        "tests/test_arguments.py::test_unknown_optimizer"),
+    Bad("Adam beta out of range", "--adam-beta2", "use a value in [0, 1)",
+        "tests/test_arguments.py::test_adam_beta_out_of_range"),
+    Bad("WORLD_SIZE that is not a number", "environment variable WORLD_SIZE='two'",
+        "launch with torchrun, or unset WORLD_SIZE", "tests/test_pretrain_cli.py::"
+        "test_main_reports_config_errors_in_one_line"),
+    Bad("--load directory without a checkpoint and --exit-on-missing-checkpoint",
+        "--exit-on-missing-checkpoint", "point --load at a directory with "
+        "latest_checkpointed_iteration.txt, or drop the flag to start from scratch",
+        "tests/test_checkpoint_resume.py::test_load_errors_are_one_line"),
+    Bad("--ckpt-step naming an iteration that was not saved", "does not exist",
+        "pick an iteration that exists (ls the --load directory)",
+        "tests/test_checkpoint_resume.py::test_load_errors_are_one_line"),
+]  # fmt: skip
+
+B = Bad
+FLAG_CASES: list[tuple[Bad, dict, list[str], int]] = [
+    (B("a Megatron-LM flag megapipe does not have", "--num-experts is a Megatron-LM flag that "
+       "megapipe does not support yet", "remove the flag (the feature is not in megapipe)"),
+     {}, ["--num-experts", "8"], 1),
+    (B("context/expert parallelism above 1", "--context-parallel-size 2: context parallelism is "
+       "a Megatron-LM feature that megapipe does not support yet (only 1)",
+       "leave --context-parallel-size / --expert-model-parallel-size at 1"),
+     {"context_parallel_size": 2}, [], 1),
+    (B("a misspelt flag", "unrecognized arguments: --hiden-size 64 (--hiden-size: did you mean "
+       "--hidden-size?)", "use the suggested flag"), {"hiden_size": 64}, [], 1),
+    (B("both --train-iters and --train-samples", "pass exactly one of --train-iters and "
+       "--train-samples", "keep one of them"), {"train_samples": 100}, [], 1),
+    (B("neither --train-iters nor --train-samples", "pass exactly one of --train-iters and "
+       "--train-samples", "add one of them"), {"train_iters": None}, [], 1),
+    (B("an iteration-based LR length with --train-samples", "--lr-decay-iters needs "
+       "--train-iters; with --train-samples use --lr-decay-samples",
+       "use the -samples flag that matches --train-samples"),
+     {"train_iters": None, "train_samples": 100, "lr_decay_iters": 5}, [], 1),
+    (B("a sample-based LR length with --train-iters", "--lr-warmup-samples needs "
+       "--train-samples; with --train-iters use --lr-warmup-iters",
+       "use the -iters flag that matches --train-iters"), {"lr_warmup_samples": 10}, [], 1),
+    (B("--train-iters 0", "--train-iters must be positive, got 0",
+       "train at least one iteration (or --skip-train)"), {"train_iters": 0}, [], 1),
+    (B("negative --train-iters", "--train-iters must be >= 0, got -1", "use a positive count"),
+     {"train_iters": -1}, [], 1),
+    (B("an unknown --ckpt-format", "--ckpt-format 'zarr': choose torch_dist",
+       "use torch_dist (any layout) or torch (Megatron's per-rank files)"),
+     {"ckpt_format": "zarr"}, [], 1),
+    (B("--save-interval 0", "--save-interval must be positive, got 0",
+       "use a positive interval"), {"save_interval": 0}, [], 1),
+    (B("--use-flash-attn with another --attention-backend", "--use-flash-attn contradicts "
+       "--attention-backend unfused", "drop one of them"),
+     {"use_flash_attn": True, "attention_backend": "unfused"}, [], 1),
+    (B("--transformer-impl transformer_engine", "--transformer-impl transformer_engine",
+       "use --transformer-impl local (megapipe's own layers)"),
+     {"transformer_impl": "transformer_engine"}, [], 1),
+    (B("both virtual-stage flags", "pass one of --num-layers-per-virtual-pipeline-stage and "
+       "--num-virtual-stages-per-pipeline-rank, not both", "keep one of them"),
+     {"num_layers": 4, "pipeline_model_parallel_size": 2,
+      "num_layers_per_virtual_pipeline_stage": 1, "num_virtual_stages_per_pipeline_rank": 2},
+     [], 2),
+    (B("--num-virtual-stages-per-pipeline-rank 0", "--num-virtual-stages-per-pipeline-rank "
+       "must be positive, got 0", "use 2 or more, or leave it out"),
+     {"num_layers": 4, "pipeline_model_parallel_size": 2,
+      "num_virtual_stages_per_pipeline_rank": 0}, [], 2),
+    (B("more pipeline stages than layers", "--pipeline-model-parallel-size (4) exceeds "
+       "--num-layers (2)", "use at most one stage per layer"),
+     {"pipeline_model_parallel_size": 4}, [], 4),
+    (B("--decoder-first-pipeline-num-layers with virtual stages", "--decoder-first/last-"
+       "pipeline-num-layers cannot be combined with virtual pipeline stages",
+       "drop one of them"),
+     {"num_layers": 4, "pipeline_model_parallel_size": 2,
+      "num_virtual_stages_per_pipeline_rank": 2, "decoder_first_pipeline_num_layers": 1,
+      "global_batch_size": 4}, [], 2),
+    (B("--pipeline-partition memory with virtual stages", "--pipeline-partition memory chooses "
+       "every stage's layers itself", "use the uniform partition with virtual stages"),
+     {"num_layers": 4, "pipeline_model_parallel_size": 2, "pipeline_partition": "memory",
+      "num_virtual_stages_per_pipeline_rank": 2, "global_batch_size": 4}, [], 2),
+    (B("--pipeline-partition balanced with first/last stage layers", "--decoder-first/last-"
+       "pipeline-num-layers and the balanced partition are alternatives; pass one",
+       "keep one of them"),
+     {"num_layers": 4, "pipeline_model_parallel_size": 2, "pipeline_partition": "balanced",
+      "decoder_first_pipeline_num_layers": 1}, [], 2),
+    (B("an unknown --pipeline-partition", "pipeline partition method 'zigzag' is not uniform, "
+       "balanced or memory", "use uniform, balanced or memory"),
+     {"pipeline_model_parallel_size": 2, "pipeline_partition": "zigzag"}, [], 2),
+    (B("--pipeline-schedule no-pipelining with PP > 1", "schedule no-pipelining needs "
+       "--pipeline-model-parallel-size 1, got 2", "use 1f1b (or PP 1)"),
+     {"pipeline_model_parallel_size": 2, "pipeline_schedule": "no-pipelining"}, [], 2),
+    (B("a one-chunk schedule with virtual stages", "runs one model chunk per rank; virtual "
+       "stages (2) need the interleaved-1f1b", "use --pipeline-schedule "
+       "interleaved-1f1b"),
+     {"num_layers": 4, "pipeline_model_parallel_size": 2, "pipeline_schedule": "1f1b",
+      "num_virtual_stages_per_pipeline_rank": 2, "global_batch_size": 4}, [], 2),
+    (B("--recompute-activations with --recompute-granularity full", "--recompute-activations "
+       "(selective) and --recompute-granularity full: pick one", "keep one of them"),
+     {"recompute_activations": True, "recompute_granularity": "full"}, [], 1),
+    (B("--recompute-method without full granularity", "--recompute-method uniform needs "
+       "--recompute-granularity full (it is not set)", "add --recompute-granularity full"),
+     {"recompute_method": "uniform"}, [], 1),
+    (B("--recompute-num-layers without full granularity", "--recompute-num-layers 1 needs "
+       "--recompute-granularity full", "add --recompute-granularity full"),
+     {"recompute_num_layers": 1}, [], 1),
+    (B("full recomputation without a method", "--recompute-granularity full needs "
+       "--recompute-method uniform|block", "add --recompute-method uniform or block"),
+     {"recompute_granularity": "full"}, [], 1),
+    (B("full recomputation without a layer count", "--recompute-granularity full needs "
+       "--recompute-num-layers N", "add --recompute-num-layers N"),
+     {"recompute_granularity": "full", "recompute_method": "uniform"}, [], 1),
+    (B("--recompute-num-layers 0", "--recompute-num-layers 0: must be at least 1",
+       "use 1 or more"), {"recompute_granularity": "full", "recompute_method": "uniform",
+                          "recompute_num_layers": 0}, [], 1),
+    (B("--recompute-num-layers above a stage's layers", "--recompute-num-layers 3 exceeds the "
+       "2 layers of the smallest pipeline stage", "use at most the layers of the smallest stage"),
+     {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 3},
+     [], 1),
+    (B("--recompute-modules without selective granularity", "--recompute-modules needs "
+       "--recompute-granularity selective (it is not set)", "add --recompute-granularity "
+       "selective"), {"recompute_modules": "mlp"}, [], 1),
+    (B("a Megatron recompute module megapipe lacks", "--recompute-modules moe: megapipe "
+       "recomputes only", "use the modules the line lists"),
+     {"recompute_granularity": "selective", "recompute_modules": "moe"}, [], 1),
+    (B("an unknown recompute module", "--recompute-modules attn: unknown module; choose from",
+       "use the modules the line lists"),
+     {"recompute_granularity": "selective", "recompute_modules": "attn"}, [], 1),
+    (B("--recompute-modules with no module", "--recompute-modules: name at least one module",
+       "name a module, or leave the flag out"),
+     {"recompute_granularity": "selective"}, ["--recompute-modules"], 1),
+    (B("a ramp-up with a zero increment", "--rampup-batch-size 2 0 8: start and increment "
+       "must be positive", "use positive start and increment"),
+     {"global_batch_size": 8}, ["--rampup-batch-size", "2", "0", "8"], 1),
+    (B("a ramp-up starting above the global batch", "--rampup-batch-size start (16) exceeds "
+       "--global-batch-size (8)", "start below --global-batch-size"),
+     {"global_batch_size": 8}, ["--rampup-batch-size", "16", "2", "8"], 1),
+    (B("a ramp-up that misses the global batch", "--global-batch-size (8) minus "
+       "--rampup-batch-size start (2) must be a multiple of its increment (4)",
+       "choose start and increment that reach --global-batch-size"),
+     {"global_batch_size": 8}, ["--rampup-batch-size", "2", "4", "8"], 1),
+    (B("a ramp-up step that is not whole micro-batches per rank", "--rampup-batch-size start (1) "
+       "must be a multiple of --micro-batch-size (2)", "use multiples of micro-batch x DP"),
+     {"global_batch_size": 8}, ["--rampup-batch-size", "1", "1", "8"], 1),
+    (B("a ramp-up the interleaved schedule cannot run", "(at the ramped global batch size 3 of "
+       "--rampup-batch-size)", "ramp in steps of micro-batch x DP x PP"),
+     {"num_layers": 4, "pipeline_model_parallel_size": 2, "micro_batch_size": 1,
+      "num_virtual_stages_per_pipeline_rank": 2, "global_batch_size": 4},
+     ["--rampup-batch-size", "2", "1", "8"], 2),
+    (B("--min-lr above --lr", "--min-lr (1.0) must not exceed --lr (0.001)",
+       "lower --min-lr"), {"min_lr": 1.0}, [], 1),
+    (B("a negative --lr", "--lr must not be negative, got -1.0", "use a positive --lr"),
+     {"lr": -1}, [], 1),
+    (B("a negative --min-lr", "--min-lr must not be negative, got -1.0", "use 0 or more"),
+     {"min_lr": -1}, [], 1),
+    (B("--lr-warmup-init above --lr", "--lr-warmup-init (1.0) must be in [0, --lr (0.001)]",
+       "lower --lr-warmup-init"), {"lr_warmup_init": 1}, [], 1),
+    (B("an unknown --lr-decay-style", "--lr-decay-style 'step' is not one of",
+       "use a style the line lists"), {"lr_decay_style": "step"}, [], 1),
+    (B("an unknown --lr-wsd-decay-style", "--lr-wsd-decay-style 'step' is not one of",
+       "use a style the line lists"), {"lr_wsd_decay_style": "step"}, [], 1),
+    (B("warm-up as long as the decay", "--lr-warmup-iters (10) must be less than "
+       "--lr-decay-iters (10), which defaults to --train-iters", "shorten the warm-up"),
+     {"lr_warmup_iters": 10}, [], 1),
+    (B("--lr-decay-iters 0", "--lr-decay-iters must be positive, got 0",
+       "use a positive length (or leave it out: --train-iters)"), {"lr_decay_iters": 0}, [], 1),
+    (B("a negative --lr-warmup-iters", "--lr-warmup-iters must not be negative, got -1",
+       "use 0 or more"), {"lr_warmup_iters": -1}, [], 1),
+    (B("--lr-warmup-fraction with --lr-warmup-iters", "give one of --lr-warmup-iters (2) and "
+       "--lr-warmup-fraction (0.1), not both", "keep one of them"),
+     {"lr_warmup_iters": 2, "lr_warmup_fraction": 0.1}, [], 1),
+    (B("--lr-warmup-fraction outside [0, 1)", "--lr-warmup-fraction must be in [0, 1), got 1.5",
+       "use a fraction below 1"), {"lr_warmup_fraction": 1.5}, [], 1),
+    (B("--lr-decay-style WSD without its length", "--lr-decay-style WSD needs "
+       "--lr-wsd-decay-iters", "add --lr-wsd-decay-iters N"), {"lr_decay_style": "WSD"}, [], 1),
+    (B("a WSD decay longer than the schedule", "--lr-wsd-decay-iters (20) must not exceed "
+       "--lr-decay-iters (10)", "shorten --lr-wsd-decay-iters"),
+     {"lr_decay_style": "WSD", "lr_wsd_decay_iters": 20}, [], 1),
+    (B("a negative WSD decay", "--lr-wsd-decay-iters must not be negative, got -1",
+       "use 0 or more"), {"lr_decay_style": "WSD", "lr_wsd_decay_iters": -1}, [], 1),
+    (B("a negative --eval-iters", "--eval-iters must be >= 0, got -1", "use 0 (off) or more"),
+     {"eval_iters": -1}, [], 1),
+    (B("--eval-interval 0", "--eval-interval must be positive, got 0", "use a positive interval"),
+     {"eval_interval": 0}, [], 1),
+    (B("--exit-interval 0", "--exit-interval must be positive, got 0", "use a positive interval"),
+     {"exit_interval": 0}, [], 1),
+    (B("--exit-duration-in-mins 0", "--exit-duration-in-mins must be positive, got 0.0",
+       "use a positive duration"), {"exit_duration_in_mins": 0}, [], 1),
+    (B("--log-interval 0", "--log-interval must be positive, got 0", "use a positive interval"),
+     {"log_interval": 0}, [], 1),
+    (B("a negative --weight-decay", "--weight-decay must be >= 0, got -1.0", "use 0 or more"),
+     {"weight_decay": -1}, [], 1),
+    (B("--adam-eps 0", "--adam-eps must be positive, got 0.0", "use e.g. 1e-8"),
+     {"adam_eps": 0}, [], 1),
+    (B("--ddp-bucket-size 0", "--ddp-bucket-size must be positive, got 0",
+       "use a positive element count"), {"ddp_bucket_size": 0}, [], 1),
+    (B("--fp16 with --loss-scale 0", "--loss-scale must be positive, got 0.0",
+       "use a positive static scale, or leave it out (dynamic)"),
+     {"fp16": True, "loss_scale": 0}, [], 1),
+    (B("--fp16 with a non-positive dynamic-scale setting", "--hysteresis must be positive, got 0",
+       "use positive --initial-loss-scale, --min-loss-scale, --loss-scale-window, "
+       "--hysteresis"), {"fp16": True, "hysteresis": 0}, [], 1),
+    (B("--min-loss-scale above --initial-loss-scale", "--min-loss-scale (8.0) must not exceed "
+       "--initial-loss-scale (4.0)", "lower --min-loss-scale"),
+     {"fp16": True, "initial_loss_scale": 4, "min_loss_scale": 8}, [], 1),
+    (B("--init-method-std 0", "--init-method-std must be positive, got 0.0",
+       "use e.g. 0.02"), {"init_method_std": 0}, [], 1),
+    (B("--make-vocab-size-divisible-by 0", "--make-vocab-size-divisible-by must be positive",
+       "use e.g. 128"), {"make_vocab_size_divisible_by": 0}, [], 1),
+    (B("--num-query-groups 0 with --group-query-attention", "--num-query-groups must be "
+       "positive, got 0", "use 1 (multi-query) or more"),
+     {"group_query_attention": True, "num_query_groups": 0}, [], 1),
+    (B("FFN size not divisible by TP", "--ffn-hidden-size (65) must be divisible by "
+       "--tensor-model-parallel-size (2)", "choose --ffn-hidden-size a multiple of TP"),
+     {"ffn_hidden_size": 65, "tensor_model_parallel_size": 2}, [], 2),
+    (B("sequence length not divisible by TP with --sequence-parallel", "--seq-length (34) must "
+       "be divisible by --tensor-model-parallel-size (4)", "choose --seq-length a multiple of "
+       "TP"), {"seq_length": 34, "max_position_embeddings": 64, "sequence_parallel": True,
+               "tensor_model_parallel_size": 4}, [], 4),
+    (B("rotary embeddings with an odd head size", "rotary embeddings need an even head dim, got "
+       "--hidden-size/--num-attention-heads = 3", "make hidden size / heads even"),
+     {"hidden_size": 12, "position_embedding_type": "rope"}, [], 1),
+    (B("a negative dropout", "--attention-dropout must be in [0, 1), got -0.1",
+       "use a probability in [0, 1)"), {"attention_dropout": -0.1}, [], 1),
+    (B("--pipeline-model-parallel-size 0", "--pipeline-model-parallel-size must be positive, "
+       "got 0", "use 1 or more"), {"pipeline_model_parallel_size": 0}, [], 1),
+    (B("--distributed-timeout-minutes 0", "--distributed-timeout-minutes must be positive, "
+       "got 0.0", "use a positive timeout"), {"distributed_timeout_minutes": 0}, [], 1),
+    (B("--tensorboard-log-interval 0", "--tensorboard-log-interval must be positive, got 0",
+       "use a positive interval"), {"tensorboard_log_interval": 0}, [], 1),
+    (B("--tensorboard-queue-size 0", "--tensorboard-queue-size must be positive, got 0",
+       "use a positive size"), {"tensorboard_queue_size": 0}, [], 1),
+    (B("--device-peak-tflops 0", "--device-peak-tflops must be positive, got 0.0",
+       "give the device's peak (e.g. 989 for an H100 in bf16)"),
+     {"device_peak_tflops": 0}, [], 1),
+    (B("--valid-data-path without --train-data-path", "--valid-data-path and --test-data-path "
+       "need --train-data-path", "use --train-data-path with them, or --data-path with --split"),
+     {"mock_data": None, "data_path": "A", "valid_data_path": "A"}, [], 1),
+    (B("--vocab-size 0", "--vocab-size must be positive, got 0", "use the vocabulary size"),
+     {"vocab_size": 0}, [], 1),
+    (B("a --split that is not numbers", "--split '..': only numbers separated by commas are "
+       "allowed", "write it as 969,30,1"), {"split": ".."}, [], 1),
+    (B("a --split with four parts", "--split '1,2,3,4': expected 1 to 3 numbers",
+       "give train,valid,test shares"), {"split": "1,2,3,4"}, [], 1),
+    (B("a --split that sums to zero", "--split '0,0,0': the parts sum to zero",
+       "give the training split a share"), {"split": "0,0,0"}, [], 1),
+]  # fmt: skip
+
+
+def _flag_id(case: tuple) -> str:
+    return case[0].what
+
+
+def flag_error(flags: dict, extra: list[str], world_size: int) -> str:
+    with pytest.raises(ConfigError) as info, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        parse_args(argv(**flags) + extra, world_size)
+    return one_line(str(info.value))
+
+
+@pytest.mark.parametrize("case", FLAG_CASES, ids=_flag_id)
+def test_bad_flags(case: tuple) -> None:
+    bad, flags, extra, world_size = case
+    message = flag_error(flags, extra, world_size)
+    assert bad.says in message, (bad.says, message)
