@@ -15,6 +15,7 @@ here) against the reference on tiny fp32 shapes; its times are not meaningful an
 
     python benchmarks/bench_kernels.py                 # CPU: harness check, ~20 s
     python benchmarks/bench_kernels.py --compile       # CUDA: also torch.compile'd references
+    python benchmarks/bench_kernels.py --impl triton,apex,te   # CUDA: every fused library
 
 Writes benchmarks/out/kernels.json (`--json PATH`; '' for none). Exits 1 if an error exceeds
 `--tolerance` (default by dtype: fp32 1e-5, bf16 2e-2, fp16 2e-3).
@@ -31,7 +32,6 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -39,161 +39,31 @@ if not torch.cuda.is_available():  # before anything imports Triton
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from megapipe.atomic_files import write_json  # noqa: E402
-from megapipe.kernels.availability import triton_probe  # noqa: E402
-from megapipe.kernels.dispatch import IMPLEMENTATIONS  # noqa: E402
-from megapipe.model.rotary import RotaryEmbedding  # noqa: E402
-from megapipe.parallel.state import Group  # noqa: E402
+from megapipe.kernels.availability import detect, triton_probe  # noqa: E402
+from megapipe.kernels.cases import (  # noqa: E402
+    CASES,
+    CPU_SIZES,
+    Case,
+    Inputs,
+    Sizes,
+    forward_backward,
+    leaves,
+    max_error,
+)
+from megapipe.kernels.dispatch import IMPLEMENTATIONS, REQUIRES  # noqa: E402
 
 DEFAULT_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "kernels.json")
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-@dataclass(frozen=True)
-class Sizes:
-    """The model sizes the inputs are cut from: tokens = seq x micro_batch."""
-
-    tokens: int
-    hidden: int
-    ffn: int
-    heads: int
-    micro_batch: int
-
-    @property
-    def seq(self) -> int:
-        return self.tokens // self.micro_batch
-
-
-# Sizes on each kind of device. CPU: tiny and deliberately not powers of two (partial tiles).
-CPU_SIZES = Sizes(tokens=24, hidden=40, ffn=72, heads=2, micro_batch=2)
-
-
-@dataclass(frozen=True)
-class Inputs:
-    """The op's positional arguments (tensors that want gradients have requires_grad) and
-    the shape shown in the table."""
-
-    args: tuple
-    shape: str
-
-
-@dataclass(frozen=True)
-class Case:
-    """One op: its name in dispatch's table and how to build its inputs."""
-
-    op: str
-    make: Callable[[Sizes, torch.dtype, torch.device, torch.Generator], Inputs]
-
-
-def _randn(shape, dtype, device, gen, *, grad=True, scale=1.0) -> torch.Tensor:
-    t = (torch.randn(shape, generator=gen, device=device) * scale).to(dtype)
-    return t.requires_grad_(grad)
-
-
-def _bias_gelu(sizes, dtype, device, gen) -> Inputs:
-    x = _randn((sizes.tokens, sizes.ffn), dtype, device, gen, scale=2.0)
-    return Inputs(
-        (x, _randn((sizes.ffn,), dtype, device, gen), "none"), f"{sizes.tokens}x{sizes.ffn}"
-    )
-
-
-def _bias_dropout_add(sizes, dtype, device, gen) -> Inputs:
-    shape = (sizes.seq, sizes.micro_batch, sizes.hidden)
-    keep = torch.rand(shape, generator=gen, device=device) >= 0.1
-    x, residual = _randn(shape, dtype, device, gen), _randn(shape, dtype, device, gen)
-    bias = _randn((sizes.hidden,), dtype, device, gen)
-    return Inputs((x, bias, residual, keep, 1.0 / 0.9), "x".join(map(str, shape)))
-
-
-def _swiglu(sizes, dtype, device, gen) -> Inputs:
-    h = _randn((sizes.tokens, 2 * sizes.ffn), dtype, device, gen, scale=2.0)
-    return Inputs((h, None), f"{sizes.tokens}x{2 * sizes.ffn}")
-
-
-def _rotary(sizes, dtype, device, gen) -> Inputs:
-    head_dim = sizes.hidden // sizes.heads
-    table = RotaryEmbedding(head_dim, max_positions=sizes.seq).to(device)
-    x = _randn((sizes.seq, sizes.micro_batch, sizes.heads, head_dim), dtype, device, gen)
-    return Inputs((x, table.cos, table.sin, 0), "x".join(map(str, x.shape)))
-
-
-def _norm_inputs(sizes, dtype, device, gen, *, bias: bool) -> Inputs:
-    x = _randn((sizes.seq, sizes.micro_batch, sizes.hidden), dtype, device, gen, scale=2.0)
-    weight = (1 + 0.1 * torch.randn(sizes.hidden, generator=gen, device=device)).to(dtype)
-    params = (weight.requires_grad_(),)
-    if bias:
-        params += (_randn((sizes.hidden,), dtype, device, gen, scale=0.1),)
-    return Inputs((x, *params, 1e-5), "x".join(map(str, x.shape)))
-
-
-def _layer_norm(sizes, dtype, device, gen) -> Inputs:
-    return _norm_inputs(sizes, dtype, device, gen, bias=True)
-
-
-def _rms_norm(sizes, dtype, device, gen) -> Inputs:
-    return _norm_inputs(sizes, dtype, device, gen, bias=False)
-
-
-def _attention_scores(sizes, dtype, device, gen) -> torch.Tensor:
-    shape = (sizes.micro_batch, sizes.heads, sizes.seq, sizes.seq)
-    return _randn(shape, dtype, device, gen, scale=3.0)
-
-
-def _causal_softmax(sizes, dtype, device, gen) -> Inputs:
-    scores = _attention_scores(sizes, dtype, device, gen)
-    return Inputs((scores, None, 0.125), "x".join(map(str, scores.shape)) + " causal")
-
-
-def _masked_softmax(sizes, dtype, device, gen) -> Inputs:
-    """Causal within documents of a quarter of the sequence (--reset-attention-mask)."""
-    scores = _attention_scores(sizes, dtype, device, gen)
-    document = torch.arange(sizes.seq, device=device) * 4 // sizes.seq
-    causal = torch.ones(sizes.seq, sizes.seq, dtype=torch.bool, device=device).tril()
-    mask = (causal & (document[:, None] == document[None, :])).expand(sizes.micro_batch, 1, -1, -1)
-    return Inputs((scores, mask, 0.125), "x".join(map(str, scores.shape)) + " mask")
-
-
-VOCAB = {"cuda": (50257, 50304), "cpu": (77, 80)}  # (real vocabulary, padded logits)
-
-
-def _cross_entropy(sizes, dtype, device, gen) -> Inputs:
-    vocab, padded = VOCAB[device.type]
-    logits = _randn((sizes.seq, sizes.micro_batch, padded), dtype, device, gen, scale=2.0)
-    target = torch.randint(0, vocab, (sizes.seq, sizes.micro_batch), generator=gen, device=device)
-    return Inputs((logits, target, Group.single(), 0, vocab), "x".join(map(str, logits.shape)))
-
-
-# The ops to measure, in table order (the other kernel ops add their cases here).
-CASES = [
-    Case("bias_gelu", _bias_gelu),
-    Case("bias_dropout_add", _bias_dropout_add),
-    Case("swiglu", _swiglu),
-    Case("rotary", _rotary),
-    Case("layer_norm", _layer_norm),
-    Case("rms_norm", _rms_norm),
-    Case("masked_softmax", _causal_softmax),
-    Case("masked_softmax", _masked_softmax),
-    Case("cross_entropy", _cross_entropy),
-]
-
-
-def _leaves(inputs: Inputs) -> list[torch.Tensor]:
-    return [a for a in inputs.args if isinstance(a, torch.Tensor) and a.requires_grad]
-
-
 def _step(fn: Callable, inputs: Inputs, grad: torch.Tensor) -> torch.Tensor:
     """One forward + backward (the timed unit); the output."""
-    for leaf in _leaves(inputs):
+    for leaf in leaves(inputs):
         leaf.grad = None
     out = fn(*inputs.args)
     out.backward(grad)
     return out
-
-
-def _results(fn: Callable, inputs: Inputs, grad: torch.Tensor) -> list[torch.Tensor]:
-    """The output and every input gradient of one forward + backward."""
-    out = _step(fn, inputs, grad)
-    return [out.detach()] + [leaf.grad.clone() for leaf in _leaves(inputs)]
 
 
 def _median_ms(fn: Callable[[], object], repeats: int, warmup: int, cuda: bool) -> float:
@@ -223,16 +93,6 @@ def _version(package: str) -> str | None:
         return None
 
 
-def max_error(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
-    """The largest over tensors of max |got - want| / max |want|."""
-    worst = 0.0
-    for a, b in zip(got, want, strict=True):
-        scale = b.double().abs().max().item() or 1.0
-        error = (a.double() - b.double()).abs().max().item()
-        worst = max(worst, error / scale if torch.isfinite(a).all() else float("inf"))
-    return worst
-
-
 def measure(case: Case, impls: list[str], args, sizes: Sizes, device: torch.device) -> dict:
     """One table row: the reference's and each implementation's times, speed-up and error."""
     dtype, cuda = DTYPES[args.dtype], device.type == "cuda"
@@ -242,7 +102,7 @@ def measure(case: Case, impls: list[str], args, sizes: Sizes, device: torch.devi
         out = table["reference"](*inputs.args)
     gen = torch.Generator(device=device).manual_seed(1)
     grad = torch.randn(out.shape, generator=gen, device=device).to(out.dtype)
-    want = _results(table["reference"], inputs, grad)
+    want = forward_backward(table["reference"], inputs, grad)
     row = {"op": case.op, "shape": inputs.shape, "dtype": args.dtype}
     forward = lambda fn: lambda: fn(*inputs.args)
     both = lambda fn: lambda: _step(fn, inputs, grad)
@@ -255,7 +115,7 @@ def measure(case: Case, impls: list[str], args, sizes: Sizes, device: torch.devi
         if impl not in table:
             row[f"{impl}_ms"] = None
             continue
-        row[f"{impl}_error"] = max_error(_results(table[impl], inputs, grad), want)
+        row[f"{impl}_error"] = max_error(forward_backward(table[impl], inputs, grad), want)
         with torch.no_grad():
             row[f"{impl}_forward_ms"] = _median_ms(
                 forward(table[impl]), args.repeats, args.warmup, cuda
@@ -289,7 +149,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--dtype", choices=sorted(DTYPES), default=None, help="bf16 on CUDA, fp32 on CPU"
     )
-    p.add_argument("--impl", default="triton", help="the fused implementation to compare")
+    p.add_argument(
+        "--impl",
+        default="triton",
+        help="the fused implementations to compare, comma-separated (triton, apex, te); "
+        "those whose library cannot run here are left out, with a note",
+    )
     p.add_argument("--compile", action="store_true", help="also time torch.compile (CUDA only)")
     p.add_argument("--ops", nargs="*", default=None, help="a subset of the cases, by op name")
     p.add_argument("--tokens", type=int, default=8192)
@@ -319,11 +184,14 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         sizes = CPU_SIZES
         mode = "CPU: harness check only (Triton interpreter on tiny shapes; times not meaningful)"
-    impls = [args.impl] + (["compile"] if args.compile and cuda else [])
-    probe = triton_probe()
-    if not probe.available:
-        impls = [i for i in impls if i not in ("triton", "compile")]
-        mode += f"; no Triton ({probe.reason}): reference only"
+    impls = args.impl.split(",") + (["compile"] if args.compile and cuda else [])
+    found = detect() if cuda else None
+    for impl in list(impls):
+        library = REQUIRES.get(impl)
+        probe = triton_probe() if library == "triton" or found is None else getattr(found, library)
+        if library is not None and not probe.available:
+            impls.remove(impl)
+            mode += f"; no {impl} ({probe.reason})"
     print(f"bench_kernels: {mode}; {args.dtype}; median of {args.repeats} fwd+bwd")
     cases = [c for c in CASES if args.ops is None or c.op in args.ops]
     rows = [measure(case, impls, args, sizes, device) for case in cases]
