@@ -22,7 +22,7 @@ from megapipe.data.errors import DataError
 from megapipe.errors import ConfigError, error_line, split_debug
 from megapipe.parallel import ParallelState, initialize_distributed
 from megapipe.training import train
-from megapipe.training.step import NonFiniteLossError
+from megapipe.training.step import NumericalFaultError
 
 
 def _world_size() -> int:
@@ -68,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as error:  # found once the device is known (a forced kernel missing)
         _say(error_line(PROG, error, debug))
         return 2
-    except (NonFiniteLossError, DataError, CheckpointError) as error:
+    except (NumericalFaultError, DataError, CheckpointError) as error:
         _say(error_line(PROG, error, debug))
         return 1
     finally:

@@ -134,6 +134,16 @@ class OptimizerConfig:
     min_loss_scale: float = 1.0
     loss_scale_window: int = 1000
     hysteresis: int = 2
+    # Numerical faults (Megatron's flags): a NaN/Inf loss or gradient stops the run before the
+    # optimizer step; a loss above spiky_loss_factor x the running mean is reported (and stops
+    # the run with exit_on_spiky_loss).
+    check_for_nan_in_loss_and_grad: bool = True
+    check_for_spiky_loss: bool = False
+    spiky_loss_factor: float = 10.0
+    exit_on_spiky_loss: bool = False
+    # --overlap-param-gather (distributed optimizer): the updated parameters' all-gather runs
+    # asynchronously, each bucket waited for at the first forward that uses it.
+    overlap_param_gather: bool = False
 
     @property
     def params_dtype(self) -> torch.dtype:

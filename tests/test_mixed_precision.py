@@ -118,7 +118,7 @@ def test_nan_loss_exits_non_zero_with_one_line(tmp_path: Path):
     assert run.returncode == 1
     errors = [line for line in run.stderr.splitlines() if line.strip()]
     assert errors == [
-        "pretrain_gpt.py: error: iteration 1: lm loss is nan; stopping before "
+        "pretrain_gpt.py: error: iteration 1: lm loss is nan on rank 0; stopping before "
         "the optimizer step, so the weights are those of the previous iteration"
     ]
 

@@ -47,7 +47,6 @@ NO_EFFECT_FLAGS: tuple[NoEffectFlag, ...] = (
         "weight-gradient matmul",
     ),
     NoEffectFlag("--tp-comm-overlap", "tensor-parallel communication is not overlapped yet"),
-    NoEffectFlag("--overlap-param-gather", "parameter all-gathers run after the optimizer step"),
     NoEffectFlag(
         "--use-cpu-initialization",
         "parameters are always initialised from (seed, name) on the CPU generator",

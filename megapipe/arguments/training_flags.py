@@ -169,6 +169,46 @@ def add_optimizer_args(group: argparse._ArgumentGroup) -> None:
         help="Overflows tolerated before the dynamic loss scale backs off. Default: 2.",
     )
     add(
+        "--check-for-nan-in-loss-and-grad",
+        dest="check_for_nan_in_loss_and_grad",
+        action="store_true",
+        default=True,
+        help="Stop, on every rank and before the optimizer step, when the loss or the gradient "
+        "norm is NaN/Inf, naming the iteration and the rank (fp16 overflows are still skipped "
+        "by the loss scaler). Default: on.",
+    )
+    add(
+        "--no-check-for-nan-in-loss-and-grad",
+        dest="check_for_nan_in_loss_and_grad",
+        action="store_false",
+        help="Train on through a NaN/Inf loss or gradient.",
+    )
+    add(
+        "--check-for-spiky-loss",
+        action="store_true",
+        help="Report an iteration whose loss exceeds --spiky-loss-factor times the mean of "
+        "the previous (up to 100) iterations' losses.",
+    )
+    add(
+        "--spiky-loss-factor",
+        type=float,
+        default=10.0,
+        help="What --check-for-spiky-loss calls a spike, as a multiple of the running mean "
+        "(Megatron-LM's SPIKY_LOSS_FACTOR). Default: 10.",
+    )
+    add(
+        "--exit-on-spiky-loss",
+        action="store_true",
+        help="With --check-for-spiky-loss: stop before the optimizer step of a spiky "
+        "iteration instead of warning.",
+    )
+    add(
+        "--overlap-param-gather",
+        action="store_true",
+        help="With --use-distributed-optimizer: all-gather the updated parameters "
+        "asynchronously, each bucket waited for just before the next forward first uses it.",
+    )
+    add(
         "--min-lr",
         type=float,
         default=0.0,

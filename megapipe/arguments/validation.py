@@ -130,6 +130,12 @@ def validate_optimizer(opt: OptimizerConfig) -> None:
         _require(0.0 <= value < 1.0, f"{flag(name)} must be in [0, 1), got {value}")
     if opt.ddp_bucket_size is not None:
         _positive(ddp_bucket_size=opt.ddp_bucket_size)
+    _positive(spiky_loss_factor=opt.spiky_loss_factor)
+    _require(
+        not opt.overlap_param_gather or opt.use_distributed_optimizer,
+        "--overlap-param-gather requires --use-distributed-optimizer (only sharded parameters "
+        "are all-gathered)",
+    )
     if opt.fp16:
         if opt.loss_scale is not None:
             _positive(loss_scale=opt.loss_scale)

@@ -11,6 +11,7 @@ give the gradient of the global batch's mean loss whatever the layout.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ import torch.distributed as dist
 from megapipe.data.batch import TrainingBatch
 from megapipe.data.sampler import micro_batch_range
 from megapipe.distributed import finalize_model_grads
-from megapipe.distributed.optimizer import ShardedOptimizer
+from megapipe.distributed.optimizer import NonFiniteGradient, ShardedOptimizer
 from megapipe.parallel.state import ParallelState
 from megapipe.pipeline.executor import PipelineExecutor
 from megapipe.pipeline.trace import TraceRecorder
@@ -48,8 +49,20 @@ class StepResult:
     timers: dict[str, float] = field(default_factory=dict, compare=False)
 
 
-class NonFiniteLossError(RuntimeError):
+class NumericalFaultError(RuntimeError):
+    """A numerical fault stopped training before the optimizer step touched the weights."""
+
+
+class NonFiniteLossError(NumericalFaultError):
     """The loss became NaN or Inf (fp32/bf16): training stops before the weights are touched."""
+
+
+class NonFiniteGradError(NumericalFaultError):
+    """The gradient norm became NaN or Inf (fp32/bf16): stopped before the optimizer step."""
+
+
+class SpikyLossError(NumericalFaultError):
+    """--exit-on-spiky-loss: the loss jumped far above its running mean."""
 
 
 @dataclass(frozen=True)
@@ -118,12 +131,18 @@ def train_step(
     finalize_model_grads(chunks, state)
     lm_loss = global_mean_loss(losses, state)
     reduced = time.perf_counter()
-    if scaler is None and not math.isfinite(lm_loss):
+    checks = optimizer.config
+    if scaler is None and checks.check_for_nan_in_loss_and_grad and not math.isfinite(lm_loss):
         raise NonFiniteLossError(
-            f"iteration {iteration}: lm loss is {lm_loss}; stopping before the optimizer "
-            "step, so the weights are those of the previous iteration"
+            f"iteration {iteration}: lm loss is {lm_loss} on rank {state.rank}; stopping "
+            "before the optimizer step, so the weights are those of the previous iteration"
         )
-    outcome = optimizer.step(lr)
+    if checks.check_for_spiky_loss:
+        _check_spike(optimizer.loss_history, lm_loss, iteration, state, checks)
+    try:
+        outcome = optimizer.step(lr)
+    except NonFiniteGradient as fault:
+        raise NonFiniteGradError(_gradient_fault(fault, chunks, iteration, state)) from None
     optimizer.zero_grad()
     timers = {
         "forward-backward": computed - start,
@@ -144,3 +163,40 @@ def global_mean_loss(losses: list[torch.Tensor], state: ParallelState) -> float:
     if state.pp.size > 1:
         dist.broadcast(mean, src=state.pp.ranks[-1], group=state.pp.pg)
     return float(mean)
+
+
+def _gradient_fault(
+    fault: NonFiniteGradient, chunks: Sequence[torch.nn.Module], iteration: int, state
+) -> str:
+    """One line: the iteration, the ranks whose gradients went bad, this rank's parameters."""
+    names = {id(p): n for chunk in chunks for n, p in chunk.named_parameters()}
+    mine = [names.get(id(p), f"a parameter of shape {tuple(p.shape)}") for p in fault.params]
+    here = f"here in {', '.join(mine)}" if mine else "none here"
+    return (
+        f"iteration {iteration}: gradient norm is {fault.norm} on rank {state.rank}; "
+        f"NaN/Inf gradients on rank(s) {', '.join(map(str, fault.ranks)) or 'none'} ({here}); "
+        "stopping before the optimizer step, so the weights are those of the previous iteration"
+    )
+
+
+def _check_spike(history, lm_loss: float, iteration: int, state, checks) -> None:
+    """--check-for-spiky-loss: warn (or, with --exit-on-spiky-loss, stop) when the loss is
+    above --spiky-loss-factor times the mean of the previous iterations' losses (all ranks
+    know the same loss, so all decide alike); `history` keeps the last ones (a deque)."""
+    mean = sum(history) / len(history) if history else None
+    if mean is not None and math.isfinite(lm_loss) and lm_loss > checks.spiky_loss_factor * mean:
+        message = (
+            f"iteration {iteration}: lm loss {lm_loss:.6E} is {lm_loss / mean:.1f} times the "
+            f"mean {mean:.6E} of the previous {len(history)} iterations "
+            f"(--spiky-loss-factor {checks.spiky_loss_factor:g})"
+        )
+        if checks.exit_on_spiky_loss:
+            raise SpikyLossError(
+                f"{message} on rank {state.rank}; stopping before the optimizer step, so the "
+                "weights are those of the previous iteration"
+            )
+        if state.rank == 0:
+            print(f"warning: {message}", file=sys.stderr, flush=True)
+        return  # a spike does not enter the mean it is measured against
+    if math.isfinite(lm_loss):
+        history.append(lm_loss)
