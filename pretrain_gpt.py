@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import torch.distributed as dist
 
+from megapipe.activity import RankFailure
 from megapipe.arguments import PROG, parse_args
 from megapipe.checkpointing.errors import CheckpointError
 from megapipe.data.errors import DataError
@@ -68,7 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as error:  # found once the device is known (a forced kernel missing)
         _say(error_line(PROG, error, debug))
         return 2
-    except (NumericalFaultError, DataError, CheckpointError) as error:
+    except (NumericalFaultError, DataError, CheckpointError, RankFailure) as error:
         _say(error_line(PROG, error, debug))
         return 1
     finally:

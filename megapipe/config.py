@@ -96,6 +96,12 @@ class ParallelConfig:
     sequence_parallel: bool = False
     distributed_backend: str | None = None  # None: nccl when CUDA is present, else gloo
     distributed_timeout_minutes: float = 10.0  # collectives give up after this long
+    # The watchdog (megapipe/training/watchdog.py): a step may run factor x the median step
+    # time (at least min seconds), anything else max seconds (None: the collectives' timeout
+    # plus a minute); factor 0 turns it off.
+    watchdog_timeout_factor: float = 10.0
+    watchdog_min_seconds: float = 60.0
+    watchdog_max_seconds: float | None = None
 
     @property
     def schedule(self) -> str:
@@ -181,6 +187,8 @@ class TrainingConfig:
     exit_interval: int | None = None
     exit_duration_in_mins: float | None = None
     exit_signal_handler: bool = False
+    exit_signal: int = 15  # SIGTERM; SIGINT is always handled too (--exit-signal-handler)
+    exit_signal_handler_for_dataloader: bool = False  # accepted: samples are read in-process
 
     def num_microbatches(self, data_parallel_size: int) -> int:
         """Micro-batches per step at the full global batch (validation checked it divides)."""

@@ -147,6 +147,9 @@ def parse_args(argv: Sequence[str] | None, world_size: int) -> Configs:
         sequence_parallel=args.sequence_parallel,
         distributed_backend=backend,
         distributed_timeout_minutes=args.distributed_timeout_minutes,
+        watchdog_timeout_factor=args.watchdog_timeout_factor,
+        watchdog_min_seconds=args.watchdog_min_seconds,
+        watchdog_max_seconds=args.watchdog_max_seconds,
     )
     validate_parallel(parallel, world_size)  # before the DP size below is computed from it
     training = _training_config(args, parallel.data_parallel_size(world_size))
@@ -235,6 +238,8 @@ def _training_config(args: argparse.Namespace, data_parallel_size: int) -> Train
         exit_interval=args.exit_interval,
         exit_duration_in_mins=args.exit_duration_in_mins,
         exit_signal_handler=args.exit_signal_handler,
+        exit_signal=args.exit_signal,
+        exit_signal_handler_for_dataloader=args.exit_signal_handler_for_dataloader,
         **lengths,
     )
 

@@ -7,6 +7,17 @@ import argparse
 from megapipe.errors import ConfigError
 
 
+def _seconds(text: str) -> float:
+    """A non-negative number of seconds (or factor), for the watchdog's flags."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0.0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a non-negative number")
+    return value
+
+
 def add_distributed_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--tensor-model-parallel-size",
@@ -49,8 +60,10 @@ def add_distributed_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--pipeline-schedule",
         default=None,
-        help="1f1b, gpipe or interleaved-1f1b. Default: 1f1b, or interleaved-1f1b with "
-        "virtual stages.",
+        help="1f1b, gpipe, interleaved-1f1b, zero-bubble-h1 (ZB-H1: backward split into input "
+        "and deferred weight gradients, 1F1B's memory, a third of its bubble) or "
+        "interleaved-zero-bubble (the same on virtual stages). Default: 1f1b, or "
+        "interleaved-1f1b with virtual stages.",
     )
     group.add_argument(
         "--pipeline-partition",
@@ -83,7 +96,30 @@ def add_distributed_args(group: argparse._ArgumentGroup) -> None:
         "--distributed-timeout-minutes",
         type=float,
         default=10.0,
-        help="Minutes a collective waits for its peers before failing. Default: 10.",
+        help="Minutes a collective waits for its peers before failing (every process group, "
+        "gloo and NCCL). Default: 10.",
+    )
+    group.add_argument(
+        "--watchdog-timeout-factor",
+        type=_seconds,
+        default=10.0,
+        help="End a rank (exit status 3, naming the operation it waits in) whose step runs "
+        "longer than this many times the median of its recent steps; 0 turns the watchdog "
+        "off. Default: 10.",
+    )
+    group.add_argument(
+        "--watchdog-min-seconds",
+        type=_seconds,
+        default=60.0,
+        help="The watchdog never ends a step before it has run this long. Default: 60.",
+    )
+    group.add_argument(
+        "--watchdog-max-seconds",
+        type=_seconds,
+        default=None,
+        help="How long the watchdog lets anything without a step-time history run (the first "
+        "step, an evaluation, a checkpoint save). Default: --distributed-timeout-minutes "
+        "plus one minute.",
     )
     group.add_argument(
         "--distributed-backend",

@@ -3,6 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import signal
+
+
+def signal_number(text: str) -> int:
+    """`SIGUSR1`, `USR1` or `10` -> 10 (--exit-signal)."""
+    name = text.strip().upper()
+    if name.isdigit() and int(name) in {s.value for s in signal.Signals}:
+        return int(name)
+    name = name if name.startswith("SIG") else "SIG" + name
+    if name in signal.Signals.__members__ and name not in ("SIGKILL", "SIGSTOP"):
+        return signal.Signals[name].value
+    raise argparse.ArgumentTypeError(
+        f"{text!r} is not a signal that can be caught (a name like SIGUSR1 or USR1, or a number)"
+    )
 
 
 def add_training_args(group: argparse._ArgumentGroup) -> None:
@@ -70,7 +84,24 @@ def add_training_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--exit-signal-handler",
         action="store_true",
-        help="On SIGTERM, finish the current iteration on every rank, then exit with status 0.",
+        help="On SIGTERM or SIGINT (or --exit-signal), finish the current iteration on every "
+        "rank, save a checkpoint (with --save) and exit with status 0; a second signal exits "
+        "at once with a non-zero status.",
+    )
+    group.add_argument(
+        "--exit-signal",
+        type=signal_number,
+        default=signal.SIGTERM.value,
+        metavar="SIGNAL",
+        help="The signal --exit-signal-handler stops on besides SIGTERM and SIGINT, by name or "
+        "number (SIGUSR1, USR1, 10: e.g. SLURM's --signal=USR1@120 pre-emption warning). "
+        "Default: SIGTERM.",
+    )
+    group.add_argument(
+        "--exit-signal-handler-for-dataloader",
+        action="store_true",
+        help="Accepted for Megatron-LM compatibility: megapipe reads samples in the training "
+        "process (no loader workers), so --exit-signal-handler already covers it.",
     )
     group.add_argument(
         "--skip-train",

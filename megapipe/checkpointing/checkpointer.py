@@ -35,6 +35,7 @@ from megapipe.checkpointing.tracker import iteration_dir, read_tracker, write_tr
 from megapipe.config import CheckpointConfig, Configs
 from megapipe.distributed.optimizer import ShardedOptimizer
 from megapipe.errors import ConfigError
+from megapipe.parallel.initialize import default_group_timeout
 from megapipe.parallel.random import RNGTracker
 from megapipe.parallel.state import ParallelState
 
@@ -101,7 +102,9 @@ class Checkpointer:
         if self.checkpoint.async_save and self.checkpoint.save is not None:
             # its own group: the background thread's collectives must not interleave with
             # the training thread's (collective: every rank builds the Checkpointer)
-            group = torch.distributed.new_group() if state.world_size > 1 else None
+            group = None
+            if state.world_size > 1:  # with the world's timeout, not new_group's default
+                group = torch.distributed.new_group(timeout=default_group_timeout())
             self.saver = AsyncSaver(group)
 
     # --- saving ---------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from megapipe.activity import Activity
 from megapipe.layers.weight_grad import pending_weight_grads, weight_grad_claims
 from megapipe.parallel.mappings import _all_gather_single, _reduce_scatter_single
 from megapipe.parallel.state import Group
@@ -71,8 +72,10 @@ class GradBuffer:
         overlap: bool = False,
         shard: bool = False,
         solo: list[torch.nn.Parameter] | None = None,
+        activity: Activity | None = None,
     ) -> None:
         self.dp = dp
+        self.activity = activity or Activity()  # what this rank waits in (watchdog, faults)
         self.num_microbatches = num_microbatches
         self.overlap = overlap
         self.shard = shard
@@ -214,10 +217,13 @@ class GradBuffer:
                 "queued: call WeightGradStore.compute_weight_grads() before finish_grad_sync"
             )
         self._finishing = True
-        for bucket in self.buckets:
+        for index, bucket in enumerate(self.buckets):
             if not bucket.started:
                 self._start(bucket)
             if bucket.work is not None:
+                kind = "reduce-scatter" if self.shard else "all-reduce"
+                what = "{} of gradient bucket {} over the data-parallel group (ranks {})"
+                self.activity.enter("grad-reduce", what, kind, index, list(self.dp.ranks))
                 bucket.work.wait()
                 bucket.work = None
             if bucket.scattered is not None:
@@ -233,6 +239,8 @@ class GradBuffer:
 
     def all_gather_params(self) -> None:
         """After a sharded step: every rank receives every other rank's updated shard."""
+        what = "the optimizer step (all-gather of the updated parameters over ranks {})"
+        self.activity.enter("optimizer", what, list(self.dp.ranks))
         if not self.shard or self.dp.size == 1:
             return
         for bucket in self.buckets:

@@ -1,4 +1,14 @@
-"""Join the job's default process group from torchrun's environment."""
+"""Join the job's default process group from torchrun's environment.
+
+Two things make a job restartable and bounded here:
+- Under torchrun (TORCHELASTIC_RESTART_COUNT set), the process group's store keys are
+  prefixed with the attempt number. torchrun keeps one store for the whole job, so without
+  the prefix a restarted rank can read the address a dead rank of the previous attempt
+  published and fail with "Gloo connectFullMesh failed ... Connection refused".
+- Every process group gets --distributed-timeout-minutes: torch's `new_group` otherwise
+  gives subgroups its backend default (30 minutes for gloo) whatever the world group has, so
+  `new_group` callers pass `default_group_timeout()`.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +17,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+RESTART_VAR = "TORCHELASTIC_RESTART_COUNT"
 
 
 def default_backend() -> str:
@@ -36,8 +48,29 @@ def initialize_distributed(
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timedelta(minutes=timeout_minutes))
+        timeout = timedelta(minutes=timeout_minutes)
+        attempt = os.environ.get(RESTART_VAR)
+        if attempt is None:
+            dist.init_process_group(backend, timeout=timeout)
+        else:
+            store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+            store = dist.PrefixStore(f"megapipe/attempt_{attempt}", store)
+            dist.init_process_group(
+                backend, store=store, rank=rank, world_size=world_size, timeout=timeout
+            )
     return device
+
+
+def default_group_timeout() -> timedelta | None:
+    """The default process group's timeout, for subgroups to share (None when unknown)."""
+    if not dist.is_initialized():
+        return None
+    try:
+        group = dist.distributed_c10d._get_default_group()
+        device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
+        return group._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):  # torch internals moved: new_group's default
+        return None
 
 
 def _free_port() -> int:

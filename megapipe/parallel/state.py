@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megapipe.errors import ConfigError
+from megapipe.parallel.initialize import default_group_timeout
 
 GROUP_KINDS = ("world", "tp", "pp", "dp", "model_parallel", "embedding")
 
@@ -119,7 +120,8 @@ class ParallelState:
         """Create every group from the initialised default process group.
 
         Collective: all ranks must call it with the same sizes. Groups of one rank get no torch
-        process group at all (nothing to communicate), which also keeps start-up fast.
+        process group at all (nothing to communicate), which also keeps start-up fast. Every
+        group gets the default group's timeout (--distributed-timeout-minutes).
         """
         if not dist.is_initialized():
             raise RuntimeError(
@@ -129,9 +131,10 @@ class ParallelState:
         world, me = dist.get_world_size(), dist.get_rank()
         layout = rank_layout(world, tensor_model_parallel_size, pipeline_model_parallel_size)
         mine: dict[str, Group | None] = dict.fromkeys(GROUP_KINDS)
+        timeout = default_group_timeout()
         for kind in GROUP_KINDS:
             for ranks in layout[kind]:
-                pg = dist.new_group(ranks) if len(ranks) > 1 else None
+                pg = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
                 if me in ranks:
                     mine[kind] = Group(tuple(ranks), ranks.index(me), pg)
         if device is None:

@@ -186,6 +186,9 @@ class PipelineExecutor:
         return entry[0]
 
     def _forward(self, step: _Step, compute: Compute) -> None:
+        moment = "eval" if self.forward_only else "forward"  # for the watchdog and fault tests
+        what = "forward of micro-batch {} (model chunk {})"
+        self.comm.activity.enter(moment, what, compute.microbatch, compute.chunk)
         key = (compute.microbatch, compute.chunk)
         stage = self._stage(compute.chunk)
         first, last = stage == 0, stage == self.num_stages - 1
@@ -212,6 +215,8 @@ class PipelineExecutor:
         self.peak_stashed = max(self.peak_stashed, len(step.outputs))
 
     def _backward(self, step: _Step, compute: Compute) -> None:
+        what = "backward of micro-batch {} (model chunk {})"
+        self.comm.activity.enter("backward", what, compute.microbatch, compute.chunk)
         key = (compute.microbatch, compute.chunk)
         out = step.outputs.pop(key)
         if self._stage(compute.chunk) == self.num_stages - 1:

@@ -16,6 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from megapipe.activity import Activity
 from megapipe.parallel.state import Group
 from megapipe.pipeline.schedules import P2P
 
@@ -36,19 +37,34 @@ class PendingSend:
 class P2PCommunicator:
     """Posts a schedule's transfer batches over the pipeline group of one rank."""
 
-    def __init__(self, group: Group, timeout_s: float = 300.0) -> None:
+    def __init__(
+        self, group: Group, timeout_s: float = 300.0, activity: Activity | None = None
+    ) -> None:
         self.group = group
         self.timeout = timedelta(seconds=timeout_s)
         self._in_flight: list[PendingSend] = []
+        # what this rank waits in, for the watchdog and for errors (shared by the executors
+        # that use this communicator, which also record their computes in it)
+        self.activity = activity or Activity()
 
     def _peer(self, op: P2P) -> int:
         return self.group.ranks[op.peer]
 
     def _wait(self, work: dist.Work, op: P2P) -> None:
+        what = "receive from" if op.op == "recv" else "send to"
+        self.activity.enter(
+            op.op,
+            "{} pipeline rank {} (global rank {}) of {}{}.{}",
+            what,
+            op.peer,
+            self._peer(op),
+            op.phase,
+            op.microbatch,
+            op.chunk,
+        )
         try:
             work.wait(self.timeout)
         except RuntimeError as error:
-            what = "receive from" if op.op == "recv" else "send to"
             raise PipelineCommError(
                 f"pipeline rank {self.group.rank}: {what} pipeline rank {op.peer} (global rank "
                 f"{self._peer(op)}) of {op.phase}{op.microbatch}.{op.chunk} failed or timed out "

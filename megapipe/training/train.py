@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from dataclasses import dataclass
 
+from megapipe.activity import Activity, is_communication_failure
 from megapipe.checkpointing.checkpointer import Checkpointer
 from megapipe.checkpointing.run_state import Progress
 from megapipe.config import Configs
@@ -29,11 +31,13 @@ from megapipe.pipeline.trace import TraceRecorder, gather_and_write
 from megapipe.training.batch_size import BatchSizeSchedule, batch_size_schedule_of
 from megapipe.training.evaluation import Evaluator
 from megapipe.training.exit_conditions import ExitCheck
+from megapipe.training.faults import FaultPlan
 from megapipe.training.log_format import parameter_count_line, world_size_line
 from megapipe.training.lr_schedule import lr_schedule_of
 from megapipe.training.printing import print_rank_0
 from megapipe.training.reporting import TrainingReporter
 from megapipe.training.step import GlobalBatch, StepResult, train_step
+from megapipe.training.watchdog import Watchdog, WatchdogSettings
 
 TRACE_ITERATIONS = 10  # --pipeline-trace records the first iterations only
 
@@ -79,9 +83,13 @@ def stage_map_for(configs: Configs) -> StageMap:
 
 
 def build_optimizer(
-    chunks: list[GPTModel], configs: Configs, state: ParallelState
+    chunks: list[GPTModel],
+    configs: Configs,
+    state: ParallelState,
+    activity: Activity | None = None,
 ) -> ShardedOptimizer:
-    """Gradient buffers for every chunk, and the (possibly sharded) mixed-precision optimizer."""
+    """Gradient buffers for every chunk, and the (possibly sharded) mixed-precision optimizer;
+    `activity` records what they wait in."""
     opt = configs.optimizer
     num_microbatches = configs.training.num_microbatches(state.dp.size)
     buffers = [
@@ -93,6 +101,7 @@ def build_optimizer(
             overlap=opt.overlap_grad_reduce,
             shard=opt.use_distributed_optimizer,
             solo=[p for p in [chunk.shared_word_embedding()] if p is not None],
+            activity=activity,
         )
         for chunk in chunks
     ]
@@ -108,7 +117,10 @@ def build_optimizer(
 
 
 def build_executor(
-    chunks: list[GPTModel], configs: Configs, state: ParallelState
+    chunks: list[GPTModel],
+    configs: Configs,
+    state: ParallelState,
+    activity: Activity | None = None,
 ) -> PipelineExecutor:
     """The pipeline executor running this rank's schedule (plain accumulation when PP=1)."""
     parallel, training = configs.parallel, configs.training
@@ -130,7 +142,7 @@ def build_executor(
         num_microbatches=num_microbatches,
         activation_shape=shape,
         dtype=configs.optimizer.params_dtype,
-        comm=P2PCommunicator(state.pp, parallel.pipeline_p2p_timeout),
+        comm=P2PCommunicator(state.pp, parallel.pipeline_p2p_timeout, activity),
         batch_on_every_stage=configs.data.reset_attention_mask,
     )
 
@@ -225,9 +237,27 @@ def build_evaluators(
     }
 
 
-def train(configs: Configs, state: ParallelState) -> list[StepResult]:
+def watchdog_settings(configs: Configs) -> WatchdogSettings:
+    """The watchdog's bounds from its flags (max: the collectives' timeout plus a minute)."""
+    parallel = configs.parallel
+    longest = parallel.watchdog_max_seconds
+    if longest is None:
+        longest = 60.0 * parallel.distributed_timeout_minutes + 60.0
+    return WatchdogSettings(
+        parallel.watchdog_timeout_factor, parallel.watchdog_min_seconds, longest
+    )
+
+
+def train(
+    configs: Configs, state: ParallelState, activity: Activity | None = None
+) -> list[StepResult]:
     """Train for --train-iters iterations (evaluating every --eval-interval), then evaluate on
     the validation and test splits; returns every iteration's result (same on all ranks).
+
+    `activity` records what this rank is doing for the watchdog and for errors (default: a new
+    one, with the fault plan of MEGAPIPE_FAULT when set, see training/faults.py). A collective
+    that fails under this rank (a peer died or timed out) raises RankFailure naming the
+    operation this rank was in.
 
     Prints Megatron's start-up lines, one log line per --log-interval iterations from the last
     rank (losses averaged over the interval), and a validation block per evaluation. Stops
@@ -235,6 +265,7 @@ def train(configs: Configs, state: ParallelState) -> list[StepResult]:
     --exit-duration-in-mins or SIGTERM with --exit-signal-handler (no final evaluation then).
     """
     training = configs.training
+    activity = activity or Activity(state, FaultPlan.from_env(os.environ, state.rank))
     print_rank_0(
         state,
         world_size_line(state.world_size, state.dp.size, state.tp.size, state.pp.size),
@@ -260,8 +291,8 @@ def train(configs: Configs, state: ParallelState) -> list[StepResult]:
 
     trace_path = configs.parallel.pipeline_trace
     trace = TraceRecorder(state.pp_rank) if trace_path else None
-    executor = build_executor(chunks, configs, state)
-    optimizer = build_optimizer(chunks, configs, state)
+    executor = build_executor(chunks, configs, state, activity)
+    optimizer = build_optimizer(chunks, configs, state, activity)
     batch_sizes = batch_size_schedule_of(training, state.dp.size)
     counts = SampleCounts.of(configs, batch_sizes)
     data = build_batch_sources(  # mock samples, or the splits of --data-path (rank 0 indexes)
@@ -275,7 +306,8 @@ def train(configs: Configs, state: ParallelState) -> list[StepResult]:
     for name, evaluator in evaluators.items():
         evaluator.evaluations = (progress.evaluations or {}).get(name, 0)
     reporter = TrainingReporter(configs, state)
-    exit_check = ExitCheck.start(training, state)
+    exit_check = ExitCheck.start(training, state, activity)
+    watchdog = Watchdog(activity, watchdog_settings(configs))
     results: list[StepResult] = []
     iteration = progress.iteration
     consumed = progress.consumed_samples  # samples read: the data position
@@ -285,6 +317,8 @@ def train(configs: Configs, state: ParallelState) -> list[StepResult]:
     def save() -> None:
         nonlocal saved_at
         if configs.checkpoint.save is not None and saved_at != iteration:
+            activity.begin("save", iteration)
+            activity.enter("save", "the checkpoint save of iteration {}", iteration)
             evaluations = {name: e.evaluations for name, e in evaluators.items()}
             save_checkpoint(
                 checkpoints, state, Progress(iteration, consumed, scheduled, evaluations)
@@ -292,8 +326,10 @@ def train(configs: Configs, state: ParallelState) -> list[StepResult]:
             saved_at = iteration
 
     try:
+        watchdog.start()
         while not training.skip_train and iteration < training.train_iters:
             iteration += 1
+            activity.begin("step", iteration)
             batch_size = batch_sizes.global_batch_size_at(consumed)
             batch = GlobalBatch(consumed, batch_size, training.micro_batch_size, state)
             m = batch.num_microbatches
@@ -330,6 +366,7 @@ def train(configs: Configs, state: ParallelState) -> list[StepResult]:
             reporter.end_iteration(iteration, consumed, batch_size, result, lr, scale)
             valid = evaluators.get("valid")
             if valid and training.eval_interval and iteration % training.eval_interval == 0:
+                activity.begin("evaluation", iteration)
                 losses = valid.evaluate()
                 reporter.validation(f"iteration {iteration}", losses, iteration, consumed)
             interval = configs.checkpoint.save_interval
@@ -345,13 +382,22 @@ def train(configs: Configs, state: ParallelState) -> list[StepResult]:
                 save()
             for name, label in (("valid", "validation"), ("test", "test")):
                 if name in evaluators:
+                    activity.begin("evaluation", iteration)
                     losses = evaluators[name].evaluate()
                     prefix = f"iteration {iteration} on {label} set"
                     reporter.validation(prefix, losses, iteration, consumed)
+    except RuntimeError as error:
+        if is_communication_failure(error):  # a peer died or stalled: say where we were
+            raise activity.failure(error) from error
+        raise
     finally:
-        exit_check.close()
-        reporter.close()
-        checkpoints.finish()
+        try:
+            exit_check.close()
+            reporter.close()
+            checkpoints.finish()  # a background save still in flight: watched too
+        finally:
+            activity.begin("done", iteration)
+            watchdog.stop()
     if trace is not None and results:  # collective: only when every rank got here
         gather_and_write(trace, trace_path, state.pp.ranks, _trace_metadata(configs, state))
         print_rank_0(state, f"pipeline trace written to {trace_path}")
