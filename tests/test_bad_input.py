@@ -18,12 +18,10 @@ checks that the named test exists and holds the message. Everything else runs he
 
 from __future__ import annotations
 
-import ast
 import hashlib
 import json
 import os
-import pickle
-import subprocess
+import shutil
 import sys
 import warnings
 from collections.abc import Callable
@@ -39,7 +37,6 @@ from megapipe.checkpointing.errors import CheckpointError
 from megapipe.checkpointing.legacy_torch import read_file, read_verified
 from megapipe.checkpointing.shards import TensorShard
 from megapipe.checkpointing.torch_dist import load_common, load_sharded, save_sharded
-from megapipe.checkpointing.torch_dist import sharded_keys as read_keys
 from megapipe.data.indexed_builder import IndexedDatasetBuilder
 from megapipe.data.tool_cli import run_tool
 from megapipe.errors import ConfigError
@@ -400,4 +397,403 @@ def flag_error(flags: dict, extra: list[str], world_size: int) -> str:
 def test_bad_flags(case: tuple) -> None:
     bad, flags, extra, world_size = case
     message = flag_error(flags, extra, world_size)
+    assert bad.says in message, (bad.says, message)
+
+
+# --- data files and tokenizer files named by the flags ---------------------------------------
+
+ELSEWHERE_DATA = [
+    Bad("--data-path naming a prefix with no .idx", ".idx: no such file (the .idx of an indexed "
+        "dataset)", "--data-path takes the prefix without .bin/.idx (preprocess_data.py writes "
+        "{output_prefix}_text_document)",
+        "tests/test_data_training.py::test_bad_data_flags_are_one_line_errors"),
+    Bad("--data-path without a tokenizer", "--data-path needs --tokenizer-type",
+        "add --tokenizer-type (and its model or vocab files)",
+        "tests/test_data_training.py::test_bad_data_flags_are_one_line_errors"),
+    Bad("a --split that leaves nothing for training", "leaves nothing for training",
+        "give the training split a share",
+        "tests/test_data_training.py::test_bad_data_flags_are_one_line_errors"),
+    Bad("a --data-path weight list with a weight missing", "looks like a weight, but weights "
+        "must come one before each prefix", "write weight prefix pairs: 0.3 A 0.7 B",
+        "tests/test_data_training.py::test_bad_data_flags_are_one_line_errors"),
+    Bad("negative --data-path weights", "weights must be finite and non-negative",
+        "use weights >= 0", "tests/test_blending.py::test_parse_blend_reads_megatron_data_paths"),
+    Bad("--data-path weights that sum to zero", "the weights sum to zero",
+        "give some dataset a positive weight",
+        "tests/test_blending.py::test_parse_blend_reads_megatron_data_paths"),
+    Bad("--data-cache-path that is a file", "exists and is not a directory",
+        "point it at a directory", "tests/test_data_training.py::"
+        "test_bad_data_flags_are_one_line_errors"),
+    Bad("--data-path with --mock-data, or with --train-data-path", "cannot be combined",
+        "keep one data source", "tests/test_data_training.py::"
+        "test_bad_data_flags_are_one_line_errors"),
+    Bad("a missing --tokenizer-model", "--tokenizer-model", "fix the path: every tokenizer is "
+        "read from local files, nothing is downloaded",
+        "tests/test_tokenizers.py::test_missing_and_broken_files_are_named"),
+    Bad("a --tokenizer-model that is not a SentencePiece model", "not a SentencePiece model",
+        "pass the .model file train_tokenizer.py wrote",
+        "tests/test_tokenizers.py::test_missing_and_broken_files_are_named"),
+    Bad("a missing --merge-file", "--merge-file", "GPT-2 BPE needs both --vocab-file and "
+        "--merge-file", "tests/test_tokenizers.py::test_missing_and_broken_files_are_named"),
+    Bad("a vocab.json that is not JSON", "not a JSON vocabulary", "pass GPT-2's vocab.json",
+        "tests/test_tokenizers.py::test_missing_and_broken_files_are_named"),
+    Bad("a merges.txt line without two symbols", "expected two symbols",
+        "pass GPT-2's merges.txt", "tests/test_tokenizers.py::"
+        "test_missing_and_broken_files_are_named"),
+    Bad("a HuggingFace tokenizer directory without tokenizer.json", "has no tokenizer.json",
+        "point --tokenizer-model at tokenizer.json or its directory",
+        "tests/test_tokenizers.py::test_missing_and_broken_files_are_named"),
+    Bad("an unknown --tokenizer-type", "'BertTokenizer' is not one of",
+        "use a type the line lists", "tests/test_tokenizers.py::"
+        "test_missing_and_broken_files_are_named"),
+    Bad("a SentencePiece model without an eos piece where an eod is needed", "has no eos piece",
+        "train the tokenizer with an eos piece (train_tokenizer.py does), or drop "
+        "--append-eod / --eod-mask-loss", "tests/test_tokenizers.py::"
+        "test_sentencepiece_without_eos_has_no_eod"),
+    Bad("an .idx with a wrong magic, version, dtype code, counts, lengths, document indices, or "
+        "pointers past the end of the .bin", "not a Megatron .idx file: magic",
+        "regenerate the dataset with tools/preprocess_data.py (the line names the offset)",
+        "tests/test_indexed_dataset.py::test_each_malformed_idx_is_named"),
+    Bad("a truncated or over-long .bin, a missing .bin", "truncated: sequence 4 ends at byte 30",
+        "the .bin does not match its .idx: copy both again, or regenerate",
+        "tests/test_indexed_dataset.py::test_bin_problems_and_missing_files_are_named"),
+]  # fmt: skip
+
+NULL_TOKENIZER = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "256"]
+
+
+@pytest.fixture(scope="module")
+def tiny_prefix(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A valid 4-document dataset of uint16 tokens."""
+    prefix = str(tmp_path_factory.mktemp("data") / "tiny")
+    with IndexedDatasetBuilder(prefix, "uint16") as builder:
+        for n in (40, 50, 60, 70):
+            builder.add_item(list(range(n)))
+            builder.end_document()
+    return prefix
+
+
+def _copy_dataset(prefix: str, directory: Path, name: str) -> str:
+    out = str(directory / name)
+    for ext in ("bin", "idx"):
+        Path(f"{out}.{ext}").write_bytes(Path(f"{prefix}.{ext}").read_bytes())
+    return out
+
+
+def _truncated_bin(prefix: str, directory: Path) -> list[str]:
+    out = _copy_dataset(prefix, directory, "cut")
+    os.truncate(f"{out}.bin", os.path.getsize(f"{out}.bin") - 3)
+    return ["--data-path", out]
+
+
+def _wrong_magic(prefix: str, directory: Path) -> list[str]:
+    out = _copy_dataset(prefix, directory, "magic")
+    data = bytearray(Path(f"{out}.idx").read_bytes())
+    data[:9] = b"NOTMMIDX\x00"
+    Path(f"{out}.idx").write_bytes(bytes(data))
+    return ["--data-path", out]
+
+
+def _weights(words: str) -> Callable[[str, Path], list[str]]:
+    return lambda prefix, _: ["--data-path", *words.replace("P", prefix).split()]
+
+
+DATA_CASES: list[tuple[Bad, Callable[[str, Path], list[str]]]] = [
+    (B("a truncated .bin behind --data-path", ".bin: truncated: sequence 3 ends at byte 440",
+       "the .bin does not match its .idx: copy both again, or regenerate"), _truncated_bin),
+    (B("an .idx with a wrong magic behind --data-path", ".idx: not a Megatron .idx file: magic",
+       "regenerate the dataset with tools/preprocess_data.py"), _wrong_magic),
+    (B("a --data-path weight that is not finite", "--data-path: weights must be finite and "
+       "non-negative, got [nan, 1.0]", "use finite weights >= 0"), _weights("nan P 1 P")),
+    (B("a missing --vocab-file", "--vocab-file /nonexistent/vocab.json: no such file",
+       "fix the path (GPT-2 BPE needs both --vocab-file and --merge-file)"),
+     lambda prefix, _: ["--data-path", prefix, "--tokenizer-type", "GPT2BPETokenizer",
+                        "--vocab-file", "/nonexistent/vocab.json", "--merge-file",
+                        "/nonexistent/merges.txt"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", DATA_CASES, ids=_flag_id)
+def test_bad_data_behind_the_flags(case, tiny_prefix: str, tmp_path: Path) -> None:
+    bad, make = case
+    extra = make(tiny_prefix, tmp_path)
+    tokenizer = [] if "--tokenizer-type" in extra else NULL_TOKENIZER
+    message = flag_error({"mock_data": None, "vocab_size": None, "eval_iters": 0}, extra +
+                         tokenizer, 1)  # fmt: skip
+    assert bad.says in message, (bad.says, message)
+
+
+# --- JSONL input to tools/preprocess_data.py -------------------------------------------------
+
+ELSEWHERE_JSONL = [
+    Bad("a malformed JSON line under --strict", ":2: malformed JSON: Expecting value at column 1 "
+        "(--strict)", "fix or drop that line (without --strict bad lines are skipped and "
+        "counted)", "tests/test_preprocess.py::test_strict_fails_on_the_first_bad_line_and_"
+        "writes_nothing"),
+    Bad("bad lines without --strict: malformed JSON, empty document, missing key, invalid UTF-8, "
+        "blank line, not a JSON object, not a string", "skipped 7 of 14 lines: ",
+        "a warning, not an error: the lines named were skipped; --strict makes the first fatal",
+        "tests/test_preprocess.py::test_bad_lines_are_skipped_and_reported_by_line"),
+    Bad("an input with no usable document", "no usable documents; ",
+        "check --json-keys against the input's keys", "tests/test_preprocess.py::"
+        "test_missing_input_and_output_directory_are_named"),
+    Bad("a missing --input", "no such input file", "fix the path",
+        "tests/test_preprocess.py::test_missing_input_and_output_directory_are_named"),
+    Bad("--output-prefix in a directory that does not exist", "--output-prefix",
+        "create the directory first", "tests/test_preprocess.py::"
+        "test_missing_input_and_output_directory_are_named"),
+]  # fmt: skip
+
+GOOD = b'{"text": "1 2 3"}\n'
+JSONL_CASES: list[tuple[Bad, bytes, list[str]]] = [
+    (B("a non-UTF-8 line under --strict", ":2: invalid UTF-8: byte offset 10 in the line "
+       "(--strict)", "re-encode the file as UTF-8, or drop --strict to skip the line"),
+     GOOD + b'{"text": "\xff 1"}\n', ["--strict"]),
+    (B("an empty document under --strict", ':2: empty document: \'text\' has no tokens (--strict)',
+       "drop empty records, or drop --strict to skip them"),
+     GOOD + b'{"text": ""}\n', ["--strict"]),
+    (B("a line the tokenizer cannot encode under --strict", ":1: tokenizer error: 'text': ",
+       "check the tokenizer flags match the data"), b'{"text": "1 x"}\n' + GOOD, ["--strict"]),
+    (B("a record over the line-length limit under --strict", ":2: line too long: 43 bytes, over "
+       "the limit of 32 (--strict)", "split the record (the limit, 1 GiB by default, keeps "
+       "documents within the .idx's int32 lengths), or drop --strict to skip it"),
+     GOOD + b'{"text": "' + b"1 " * 15 + b'"}\n', ["--strict", "--max-line-bytes", "32"]),
+    (B("an empty input file", "no usable documents; ", "the file is empty: check --input"),
+     b"", []),
+    (B("an input of blank lines only", "no usable documents; ", "check --input"), b"\n\n\n", []),
+    (B("--workers 0", "--workers must be at least 1, got 0", "use 1 or more"), GOOD,
+     ["--workers", "0"]),
+    (B("a directory as --input", "is a directory, not an input file", "pass the .jsonl file"),
+     b"DIRECTORY", []),
+]  # fmt: skip
+
+
+def snapshot(directory: Path) -> dict[str, str]:
+    """Every file under `directory` (hidden ones too) -> sha256 of its bytes."""
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
+
+
+def _preprocess_argv(source: Path, out: Path, *extra: str) -> list[str]:
+    return ["--input", str(source), "--output-prefix", str(out / "o"), "--quiet",
+            *NULL_TOKENIZER, *extra]  # fmt: skip
+
+
+def _previous_output(out: Path) -> None:
+    """An earlier run's output under the same prefix, which a failed run must leave intact."""
+    out.mkdir()
+    (out / "o_text_document.bin").write_bytes(b"earlier bin")
+    (out / "o_text_document.idx").write_bytes(b"earlier idx")
+
+
+@pytest.mark.parametrize("case", JSONL_CASES, ids=_flag_id)
+def test_bad_jsonl(case, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad, content, extra = case
+    source = tmp_path / "in.jsonl"
+    if content == b"DIRECTORY":
+        source.mkdir()
+    else:
+        source.write_bytes(content)
+    out = tmp_path / "out"
+    _previous_output(out)
+    before = snapshot(tmp_path)
+    assert run_tool(preprocess_data.PROG, preprocess_data.main, _preprocess_argv(source, out,
+                                                                              *extra)) == 1
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("preprocess_data.py: error: "), lines
+    assert bad.says in one_line(lines[0]), (bad.says, lines[0])
+    assert snapshot(tmp_path) == before  # no output, no temporary file, the old output intact
+
+
+def test_overlong_records_are_skipped_and_counted(tmp_path: Path, capsys) -> None:
+    source = tmp_path / "in.jsonl"
+    source.write_bytes(GOOD + b'{"text": "' + b"7 " * 40 + b'"}\n' + GOOD + b"9" * 100)
+    argv = _preprocess_argv(source, tmp_path, "--max-line-bytes", "32")
+    assert run_tool(preprocess_data.PROG, preprocess_data.main, argv) == 0
+    warning = capsys.readouterr().err.strip()
+    assert warning == (f"preprocess_data.py: warning: {source}: skipped 2 of 4 lines: 2 line too "
+                       "long (lines 2, 4)")  # fmt: skip
+    from megapipe.data.indexed_dataset import IndexedDataset
+
+    ds = IndexedDataset(tmp_path / "o_text_document")
+    assert [ds.document(i).tolist() for i in range(ds.num_documents)] == [[1, 2, 3]] * 2
+
+
+def test_bad_tool_flags_are_one_line(tmp_path: Path, capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        preprocess_data.main(["--input", str(tmp_path / "x"), "--workers", "two"])
+    assert info.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == ["preprocess_data.py: error: argument --workers: invalid int value: 'two' "
+                     "(see --help)"]  # fmt: skip
+    assert os.listdir(tmp_path) == []
+
+
+# --- checkpoints ----------------------------------------------------------------------------
+
+ELSEWHERE_CHECKPOINTS = [
+    Bad("a truncated shard (torch_dist)", "bytes, ", "the file was damaged after saving: load "
+        "an earlier iteration with --ckpt-step N", "tests/test_torch_dist.py::"
+        "test_checksum_failures_name_the_file"),
+    Bad("a bit-flipped shard, .metadata or common.pt (torch_dist)", "differs",
+        "the file was damaged after saving: load an earlier iteration with --ckpt-step N",
+        "tests/test_torch_dist.py::test_checksum_failures_name_the_file"),
+    Bad("a missing shard or checksums.json (torch_dist)", "missing",
+        "copy the whole iteration directory again", "tests/test_torch_dist.py::"
+        "test_checksum_failures_name_the_file"),
+    Bad("a .metadata that carries pickled code", "refused to unpickle posix.system",
+        "do not load it: the checkpoint was tampered with",
+        "tests/test_torch_dist.py::test_malicious_metadata_pickle_is_refused"),
+    Bad("a common.pt that carries pickled code", "refused by weights_only",
+        "do not load it: the checkpoint was tampered with",
+        "tests/test_torch_dist.py::test_malicious_common_pickle_is_refused"),
+    Bad("a checkpoint of another shape", "has global shape (8, 4) in the checkpoint, (16, 4) "
+        "in this model", "use the architecture flags of the run that saved it (the parallel "
+        "layout may differ)", "tests/test_torch_dist.py::"
+        "test_missing_key_and_shape_mismatch_raise_on_every_rank"),
+    Bad("a checkpoint missing a tensor this model has", "is missing",
+        "use the architecture flags of the run that saved it",
+        "tests/test_torch_dist.py::test_missing_key_and_shape_mismatch_raise_on_every_rank"),
+    Bad("a legacy (--ckpt-format torch) checkpoint at another TP/PP layout",
+        "saved at TP 2 x PP 1", "load at the saved layout, or rewrite it with "
+        "tools/checkpoint/convert.py", "tests/test_legacy_torch.py::"
+        "test_legacy_checkpoint_at_another_layout_is_refused"),
+    Bad("a corrupt shard read by one rank of several", "(corrupted)", "every rank stops with "
+        "the same line; load an earlier iteration", "tests/test_checkpoint_resume.py::"
+        "test_a_corrupt_checkpoint_stops_every_rank_with_one_line"),
+]  # fmt: skip
+
+
+class _Evil:
+    """Pickles to a call of os.system: what a tampered checkpoint would carry."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny torch_dist checkpoint (one process) and a legacy per-rank file with checksums."""
+    root = tmp_path_factory.mktemp("ckpt")
+    dist_dir = root / "iter_0000001"
+    shard = TensorShard(torch.arange(12.0).reshape(3, 4), (0, 0), (3, 4))
+    save_sharded(str(dist_dir), {"w": [shard]}, {"iteration": 1}, group=None, coordinator=True)
+    legacy = root / "mp_rank_00"
+    legacy.mkdir()
+    torch.save({"iteration": 1, "model": {"w": torch.arange(12.0)}}, legacy / "model_optim_rng.pt")
+    atomic_dir.write_checksums(str(legacy), atomic_dir.fsync_and_digest(str(legacy),
+                                                                       ["model_optim_rng.pt"]))
+    return {"dist": dist_dir, "legacy": legacy}  # fmt: skip
+
+
+def _refresh_checksums(directory: Path) -> None:
+    """What an attacker would do: make checksums.json match the tampered files."""
+    names = [n for n in os.listdir(directory) if n != atomic_dir.CHECKSUMS_NAME]
+    os.unlink(directory / atomic_dir.CHECKSUMS_NAME)
+    atomic_dir.write_checksums(str(directory), atomic_dir.fsync_and_digest(str(directory), names))
+
+
+def _cut(path: Path, keep: float = 0.5) -> None:
+    os.truncate(path, int(os.path.getsize(path) * keep))
+
+
+def _flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _foreign(directory: Path) -> None:
+    """No checksums.json, as a Megatron-Core checkpoint: only the safe readers stand guard."""
+    os.unlink(directory / atomic_dir.CHECKSUMS_NAME)
+
+
+def _load_dist(directory: Path) -> None:
+    destination = {"w": [TensorShard(torch.zeros(3, 4), (0, 0), (3, 4))]}
+    load_sharded(str(directory), destination, group=None, require_checksums=False)
+    load_common(str(directory), require_checksums=False)
+
+
+def _load_legacy(directory: Path) -> None:
+    read_verified(str(directory), "model_optim_rng.pt")
+
+
+def _load_legacy_unverified(directory: Path) -> None:
+    read_file(str(directory / "model_optim_rng.pt"))
+
+
+def _evil_legacy(directory: Path) -> None:
+    torch.save({"iteration": 1, "x": _Evil(str(directory.parent / "pwned"))},
+               directory / "model_optim_rng.pt")  # fmt: skip
+    _refresh_checksums(directory)
+
+
+CHECKPOINT_CASES: list[tuple[Bad, str, Callable[[Path], None], Callable[[Path], None]]] = [
+    (B("a truncated .metadata in a checkpoint without checksums.json (e.g. Megatron-Core's)",
+       ".metadata: not a readable DCP metadata file", "copy the checkpoint again"), "dist",
+     lambda d: (_foreign(d), _cut(d / ".metadata")), _load_dist),
+    (B("a truncated common.pt in a checkpoint without checksums.json", "common.pt: not a "
+       "readable torch file (truncated or corrupted", "copy the checkpoint again"), "dist",
+     lambda d: (_foreign(d), _cut(d / "common.pt")), lambda d: load_common(
+         str(d), require_checksums=False)),
+    (B("a malformed metadata.json", "metadata.json: malformed", "copy the checkpoint again"),
+     "dist", lambda d: (d / "metadata.json").write_text("{not json"), _load_dist),
+    (B("a metadata.json of another sharded backend", "sharded_backend is 'zarr', not "
+       "'torch_dist'", "convert it to torch_dist with Megatron-Core first"), "dist",
+     lambda d: (d / "metadata.json").write_text(json.dumps({"sharded_backend": "zarr"})),
+     _load_dist),
+    (B("a truncated legacy checkpoint file", "model_optim_rng.pt: ", "load an earlier "
+       "iteration with --ckpt-step N"), "legacy", lambda d: _cut(d / "model_optim_rng.pt"),
+     _load_legacy),
+    (B("a bit-flipped legacy checkpoint file", "differs from the saved", "load an earlier "
+       "iteration with --ckpt-step N"), "legacy", lambda d: _flip(d / "model_optim_rng.pt"),
+     _load_legacy),
+    (B("a truncated legacy file without checksums.json (e.g. Megatron-LM's)", "not a readable "
+       "torch file (truncated or corrupted: PytorchStreamReader failed reading zip archive",
+       "copy the checkpoint again"), "legacy",
+     lambda d: (_foreign(d), _cut(d / "model_optim_rng.pt")), _load_legacy_unverified),
+    (B("a legacy checkpoint file that carries pickled code", "refused by weights_only loading: "
+       "it needs posix.system, which is not a tensor or plain python type (the file may carry "
+       "code)", "do not load it: the checkpoint was tampered with"), "legacy", _evil_legacy,
+     _load_legacy),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", CHECKPOINT_CASES, ids=_flag_id)
+def test_bad_checkpoints(case, saved: dict[str, Path], tmp_path: Path) -> None:
+    bad, kind, damage, load = case
+    directory = tmp_path / saved[kind].name
+    shutil.copytree(saved[kind], directory)
+    damage(directory)
+    before = snapshot(tmp_path)
+    with pytest.raises(CheckpointError) as info:
+        load(directory)
+    assert bad.says in one_line(str(info.value)), (bad.says, str(info.value))
+    assert str(directory) in str(info.value)
+    assert snapshot(tmp_path) == before  # nothing written, nothing run ("pwned" not created)
+
+
+TRACKER_CASES = [
+    (B("a tracker file that is not a number", "--load: tracker file ", "write the iteration "
+       "number into latest_checkpointed_iteration.txt (or delete it to start from scratch)"),
+     "abc"),
+    (B("a Megatron 'release' tracker", "says 'release' (a Megatron release checkpoint)",
+       "convert the release checkpoint, or name its iteration directory"), "release"),
+    (B("a tracker that names an iteration that is not there", "latest_checkpointed_iteration.txt "
+       "names iteration 5, but ", "the iteration directory was deleted or not copied: "
+       "restore it, or fix the tracker"), "5"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", TRACKER_CASES, ids=_flag_id)
+def test_bad_trackers(case, tmp_path: Path) -> None:
+    bad, text = case
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text(text)
+    message = flag_error({"load": str(tmp_path)}, [], 1)
     assert bad.says in message, (bad.says, message)

@@ -6,7 +6,8 @@
 
 writes data/corpus_text_document.bin/.idx (one pair per --json-keys key). Bad lines (malformed
 JSON, non-UTF-8 bytes, a missing key, an empty document) are skipped and reported with their
-line numbers; --strict makes the first one fatal. Outputs appear only when complete.
+line numbers; --strict makes the first one fatal. Outputs appear only when complete. Errors are
+one line (exit 1; bad flags exit 2); --debug adds the traceback.
 """
 
 from __future__ import annotations
@@ -15,14 +16,15 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from megapipe.data.jsonl import MAX_LINE_BYTES
 from megapipe.data.preprocess import PreprocessOptions, preprocess
-from megapipe.data.tool_cli import add_tokenizer_args, run_tool, tokenizer_spec
+from megapipe.data.tool_cli import OneLineParser, add_tokenizer_args, run_tool, tokenizer_spec
 
 PROG = "preprocess_data.py"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0])
     group = parser.add_argument_group("input data")
     group.add_argument("--input", required=True, help="Path to the input JSONL file.")
     group.add_argument(
@@ -51,6 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument(
         "--strict", action="store_true", help="Fail on the first bad input line (no output)."
     )
+    group.add_argument(
+        "--max-line-bytes",
+        type=int,
+        default=MAX_LINE_BYTES,
+        help="Skip (with --strict: refuse) input lines longer than this, without reading them "
+        "whole. Default: 1 GiB.",
+    )
     group.add_argument("--quiet", action="store_true", help="No progress output.")
     return parser
 
@@ -68,6 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         workers=args.workers,
         strict=args.strict,
         log_interval=args.log_interval,
+        max_line_bytes=args.max_line_bytes,
     )
     report = preprocess(options, show_progress=not args.quiet)
     if report.issues is not None and report.issues.total:

@@ -39,6 +39,7 @@ from megapipe.checkpointing.run_state import (
     restore_rng,
     rng_shards,
 )
+from megapipe.checkpointing.safe_pickle import safe_torch_load
 from megapipe.checkpointing.tracker import iteration_dir, write_tracker
 
 if TYPE_CHECKING:
@@ -132,18 +133,7 @@ def load_chunk_state(chunk: torch.nn.Module, state: dict[str, torch.Tensor], whe
 
 def read_file(path: str) -> dict:
     """A legacy checkpoint file, with weights_only=True (Megatron's `args` Namespace allowed)."""
-    try:
-        with torch.serialization.safe_globals([argparse.Namespace]):
-            data = torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint file {path}: missing") from None
-    except Exception as e:
-        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-        detail = next((line for line in lines if "Unsupported global" in line), None)
-        raise CheckpointError(
-            f"checkpoint file {path}: refused by weights_only loading "
-            f"({detail or (lines[0] if lines else type(e).__name__)})"
-        ) from None
+    data = safe_torch_load(path, [argparse.Namespace])
     if not isinstance(data, dict):
         raise CheckpointError(f"checkpoint file {path}: holds a {type(data).__name__}, not a dict")
     return data

@@ -13,6 +13,8 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import re
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -100,6 +102,42 @@ def load_dcp_metadata(path: str | os.PathLike) -> Metadata:
             f"checkpoint file {path}: holds a {type(metadata).__name__}, not DCP Metadata"
         )
     return metadata
+
+
+_TORCH_BOILERPLATE = ("Weights only load failed", "Please file an issue", "Check the documentation")
+
+
+def safe_torch_load(path: str | os.PathLike, allowed: Sequence[type] = ()) -> Any:
+    """`torch.load(path, weights_only=True)` (plus the `allowed` classes), every failure one
+    CheckpointError line: missing, refused (naming the global a pickled object needs: code),
+    or unreadable (truncated or corrupted). torch's own message would advise retrying with
+    weights_only=False, which is exactly what must not be done with an untrusted file."""
+    try:
+        with torch.serialization.safe_globals(list(allowed)):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint file {path}: missing") from None
+    except OSError as e:
+        raise CheckpointError(f"checkpoint file {path}: cannot read it ({e.strerror})") from None
+    except pickle.UnpicklingError as e:
+        refused = re.search(r"GLOBAL ([\w.]+)", str(e))
+        if refused:
+            raise CheckpointError(
+                f"checkpoint file {path}: refused by weights_only loading: it needs "
+                f"{refused[1]}, which is not a tensor or plain python type (the file may carry "
+                "code)"
+            ) from None
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        detail = next((x for x in lines if not x.startswith(_TORCH_BOILERPLATE)), "")
+        raise CheckpointError(
+            f"checkpoint file {path}: not a readable torch file (corrupted pickle stream"
+            + (f": {detail})" if detail else ")")
+        ) from None
+    except Exception as e:  # a truncated zip archive, an empty file
+        first = str(e).split(". ")[0].strip() or type(e).__name__
+        raise CheckpointError(
+            f"checkpoint file {path}: not a readable torch file (truncated or corrupted: {first})"
+        ) from None
 
 
 class SafeFileSystemReader(FileSystemReader):

@@ -30,7 +30,11 @@ from megapipe.checkpointing import atomic_dir
 from megapipe.checkpointing.agreement import agree, attempt, gather, one_line
 from megapipe.checkpointing.dcp_planners import ShardLoadPlanner, ShardSavePlanner, read_items
 from megapipe.checkpointing.errors import CheckpointError
-from megapipe.checkpointing.safe_pickle import SafeFileSystemReader, load_dcp_metadata
+from megapipe.checkpointing.safe_pickle import (
+    SafeFileSystemReader,
+    load_dcp_metadata,
+    safe_torch_load,
+)
 from megapipe.checkpointing.shards import ShardedState
 
 METADATA_JSON = {
@@ -292,17 +296,7 @@ def load_common(directory: str, *, require_checksums: bool = True) -> dict:
     _check_directory(directory)
     path = os.path.join(directory, COMMON)
     _verify(directory, [COMMON], require_checksums)
-    try:
-        common = torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint file {path}: missing") from None
-    except Exception as e:
-        lines = [line for line in str(e).splitlines() if line.strip()]
-        detail = next((line.strip() for line in lines if "Unsupported global" in line), None)
-        raise CheckpointError(
-            f"checkpoint file {path}: refused by weights_only loading "
-            f"({detail or (lines[0] if lines else type(e).__name__)})"
-        ) from None
+    common = safe_torch_load(path)
     if not isinstance(common, dict):
         raise CheckpointError(
             f"checkpoint file {path}: holds a {type(common).__name__}, not a dict"

@@ -5,10 +5,19 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 from megapipe.data.errors import DataError
 from megapipe.data.tokenizers import TOKENIZER_TYPES, TokenizerSpec
 from megapipe.errors import error_line, split_debug
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line (`prog: error: ... (see --help)`), exit 2,
+    instead of the usage block and then the error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def add_tokenizer_args(parser: argparse.ArgumentParser, required: bool = True) -> None:

@@ -20,11 +20,12 @@ from megapipe.checkpointing.errors import CheckpointError  # noqa: E402
 from megapipe.checkpointing.hf_export import export_hf  # noqa: E402
 from megapipe.checkpointing.hf_import import import_hf  # noqa: E402
 from megapipe.checkpointing.hf_safetensors import DEFAULT_MAX_SHARD_SIZE  # noqa: E402
+from megapipe.data.tool_cli import OneLineParser  # noqa: E402
 from megapipe.errors import ConfigError, error_line, split_debug  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="tools/checkpoint/convert.py",
         description="Convert a megapipe checkpoint (torch_dist or Megatron's legacy torch layout, "
         "any TP/PP) to another TP/PP layout and format, in one process. MODEL WEIGHTS ONLY, as "
