@@ -135,12 +135,18 @@ LAYOUTS = [  # tp, pp, v, schedule, tied, micro-batches
 
 @pytest.mark.parametrize("tp,pp,v,kind,tied,m", LAYOUTS)
 def test_pipeline_matches_single_rank(tp, pp, v, kind, tied, m):
+    check_pipeline_parity(tp, pp, v, kind, tied, m)
+
+
+def check_pipeline_parity(tp: int, pp: int, v: int, kind: str, tied: bool, m: int) -> None:
+    """Three steps of `kind` at this layout match one rank; stashing as the simulator says."""
     results = run_distributed(_pipeline_parity, tp * pp, tp, pp, v, kind, tied, m, 3)
     for r in results:
         assert r["loss"] < TOLERANCE and r["norm"] < TOLERANCE and r["grads"] < TOLERANCE, r
     assert sum(r["has_loss"] for r in results) == tp  # only the last stage computes the loss
     # Activation bound: each rank stashes exactly what the simulator predicts (1F1B: p - rank
-    # on rank `rank`, at most p), and every output sent downstream had its storage freed.
+    # on rank `rank`, at most p; zero-bubble: counted until W), and every output sent
+    # downstream had its storage freed.
     sim = simulate_kind(kind, pp, v, m)
     for rank, r in enumerate(results):
         pp_rank = rank // tp

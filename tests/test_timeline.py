@@ -47,11 +47,13 @@ def _load_tool():
 
 @pytest.mark.parametrize(
     "kind,p,v,m",
-    [("1f1b", 4, 1, 8), ("gpipe", 2, 1, 3), ("interleaved-1f1b", 4, 2, 8), ("1f1b", 4, 1, 2)],
-)
+    [("1f1b", 4, 1, 8), ("gpipe", 2, 1, 3), ("interleaved-1f1b", 4, 2, 8), ("1f1b", 4, 1, 2),
+     ("zero-bubble-h1", 4, 1, 8), ("interleaved-zero-bubble", 2, 2, 4)],
+)  # fmt: skip
 def test_simulated_boxes_cover_every_chunk_once_without_overlap(kind, p, v, m) -> None:
     boxes = boxes_from_simulation(simulate_kind(kind, p, v, m))
-    expected = sorted((ph, i, c) for ph in "FB" for i in range(m) for c in range(v))
+    phases = "FBW" if "zero-bubble" in kind else "FB"
+    expected = sorted((ph, i, c) for ph in phases for i in range(m) for c in range(v))
     for rank in range(p):
         row = sorted((b for b in boxes if b.rank == rank), key=lambda b: b.start)
         assert sorted((b.kind, b.microbatch, b.chunk) for b in row) == expected
@@ -126,6 +128,19 @@ def test_cli_writes_png_from_simulation_and_trace(tmp_path: Path, trace_path: Pa
     for png in (simulated, measured):
         data = png.read_bytes()
         assert data.startswith(PNG_MAGIC) and len(data) > 1000
+
+
+def test_cli_prints_the_simulated_bubble_of_a_zero_bubble_schedule(tmp_path: Path) -> None:
+    tool = _load_tool()
+    png = tmp_path / "zb.png"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        argv = ["--schedule", "zero-bubble-h1", "--pp", "4", "--microbatches", "8"]
+        assert tool.main(argv + ["--output", str(png)]) == 0
+    # (p - 1) / (3m) = 3/24: a third of 1F1B's 37.5%
+    assert "bubble 12.5% of compute time" in out.getvalue()
+    assert png.read_bytes().startswith(PNG_MAGIC)
+    assert "bubble 12.5% of compute time" in simulated_timeline("zero-bubble-h1", 4, 1, 8).title
 
 
 def test_cli_errors_are_one_line(tmp_path: Path, capsys, monkeypatch) -> None:

@@ -4,10 +4,11 @@
         --output docs/schedule_interleaved_sim.png
     python tools/plot_schedule.py --trace /tmp/trace.json --output docs/schedule_1f1b_measured.png
 
-A simulated schedule uses the simulator's cost model (forward 1/v, backward 2/v per chunk,
-free transfers); a trace is the Chrome-trace JSON written by `pretrain_gpt.py --pipeline-trace`,
-of which one iteration is drawn (`--step`, default the last recorded). Needs matplotlib
-(`pip install -e ".[dev]"`).
+A simulated schedule uses the simulator's cost model (forward 1/v, backward 2/v per chunk, or for
+the zero-bubble kinds forward, B and W 1/v each; free transfers), and its bubble is printed on
+stdout as in the picture's title (`bubble N% of compute time`); a trace is the Chrome-trace
+JSON written by `pretrain_gpt.py --pipeline-trace`, of which one iteration is drawn (`--step`,
+default the last recorded). Needs matplotlib (`pip install -e ".[dev]"`).
 """
 
 from __future__ import annotations
@@ -62,7 +63,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return 1
     draw_timeline(timeline, args.output)
-    print(f"{PROG}: wrote {args.output} ({timeline.title.splitlines()[0]})")
+    first, *rest = timeline.title.splitlines()
+    print(f"{PROG}: wrote {args.output} ({first})")
+    for line in rest:
+        print(f"{PROG}: {line}")
     return 0
 
 

@@ -108,8 +108,7 @@ class WeightGradStore:
             yield self
         finally:
             unit, self._open = self._open, None
-            if unit:
-                self._units.append(unit)
+            self._units.append(unit)  # even empty: one unit per backward pass, W pairs with it
 
     @property
     def is_deferring(self) -> bool:

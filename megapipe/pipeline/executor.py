@@ -12,6 +12,15 @@ training the micro-batches forwarded but not yet backwarded, the simulator's in-
 and `freed_outputs` are exact counts, which is how the activation-memory bound is tested rather
 than with allocator statistics.
 
+Zero-bubble schedules split each backward: B runs it inside the chunk's
+`WeightGradStore.deferring()`, so the layers that own their weight gradients (TP linears, the
+vocab-parallel embedding: all matmul weights) compute only input gradients and queue the rest;
+W computes that micro-batch's queued weight gradients (`compute_weight_grads(units=1)`), which
+is when they reach the grad buffer and its buckets become ready for the DP reduction. Other
+parameters (norms, position embeddings, biases added outside a TP linear) get theirs from
+autograd in B. A micro-batch then counts as stashed until its W. A step that leaves a deferred
+weight gradient behind raises.
+
 Executors are cheap (no tensors are allocated until `run`): `for_schedule(kind, m)` gives a
 sibling on the same chunks and communicator for another schedule or micro-batch count (the
 evaluation step, a batch-size ramp-up).
@@ -30,6 +39,7 @@ from torch.autograd.variable import Variable
 
 from megapipe.data.batch import TrainingBatch
 from megapipe.layers.cross_entropy import masked_mean
+from megapipe.layers.weight_grad import WeightGradStore
 from megapipe.model.gpt import GPTModel
 from megapipe.parallel.state import ParallelState
 from megapipe.pipeline.p2p import P2PCommunicator
@@ -74,6 +84,7 @@ class _Step:
     output_grads: dict[Key, torch.Tensor] = field(default_factory=dict)
     receives: dict[tuple[str, int, int], tuple[P2P, dist.Work]] = field(default_factory=dict)
     batches: dict[int, list] = field(default_factory=dict)  # micro-batch -> [batch, readers left]
+    awaiting_w: list[Key] = field(default_factory=list)  # B done, W not yet, in B order
     losses: list[torch.Tensor] = field(default_factory=list)
 
 
@@ -81,6 +92,9 @@ class PipelineExecutor:
     """Executes `actions` on this rank's model chunks (chunk c is virtual stage c * p + rank).
 
     A list without backward computes (`build_schedule("forward-only", ...)`) runs forward only.
+    A list with W computes (a zero-bubble schedule) defers weight gradients into one
+    WeightGradStore per chunk (`weight_grad_stores`, attached to the chunk's layers; created
+    and attached here when not given). post_ahead: what `for_schedule` builds its lists with.
     """
 
     def __init__(
@@ -94,6 +108,8 @@ class PipelineExecutor:
         dtype: torch.dtype = torch.float32,
         comm: P2PCommunicator | None = None,
         batch_on_every_stage: bool = False,
+        post_ahead: bool = False,
+        weight_grad_stores: Sequence[WeightGradStore] | None = None,
     ) -> None:
         self.chunks = list(chunks)
         self.state = state
@@ -102,7 +118,13 @@ class PipelineExecutor:
         self.activation_shape = activation_shape
         self.dtype = dtype
         self.comm = comm or P2PCommunicator(state.pp)
-        self.forward_only = not any(isinstance(a, Compute) and a.phase == "B" for a in actions)
+        phases = {a.phase for a in actions if isinstance(a, Compute)}
+        self.forward_only = "B" not in phases
+        self.post_ahead = post_ahead
+        self.weight_grad_stores = list(weight_grad_stores or [])
+        if "W" in phases and not self.weight_grad_stores:
+            self.weight_grad_stores = [WeightGradStore().attach(c) for c in self.chunks]
+        self._split_backward = "W" in phases
         self.num_stages = state.pp.size * len(self.chunks)
         self.peak_stashed = 0
         self.freed_outputs = 0
@@ -113,7 +135,7 @@ class PipelineExecutor:
         self._batch_readers = sum(
             1 for c in range(len(self.chunks)) if self._reads_batch(self._stage(c))
         )
-        self._compute = {"F": self._forward, "B": self._backward}
+        self._compute = {"F": self._forward, "B": self._backward, "W": self._weight_grads}
 
     def for_schedule(self, kind: str, num_microbatches: int) -> PipelineExecutor:
         """A sibling executor on the same chunks and communicator for schedule `kind` at
@@ -122,11 +144,13 @@ class PipelineExecutor:
         return PipelineExecutor(
             self.chunks,
             self.state,
-            build_schedule(kind, p, v, num_microbatches, rank),
+            build_schedule(kind, p, v, num_microbatches, rank, post_ahead=self.post_ahead),
             num_microbatches=num_microbatches,
             activation_shape=self.activation_shape,
             dtype=self.dtype,
             comm=self.comm,
+            post_ahead=self.post_ahead,
+            weight_grad_stores=self.weight_grad_stores,
             batch_on_every_stage=self.batch_on_every_stage,
         )
 
@@ -162,10 +186,12 @@ class PipelineExecutor:
             for op, work in step.receives.values():  # none in a valid schedule; never leave one
                 self.comm.wait(op, work)
             self.comm.drain()
-        if step.outputs or step.output_grads:
+        queued = sum(store.pending_units for store in self.weight_grad_stores)
+        if step.outputs or step.output_grads or queued:
             raise RuntimeError(
                 f"schedule left work behind: outputs {sorted(step.outputs)}, "
-                f"gradients {sorted(step.output_grads)}"
+                f"gradients {sorted(step.output_grads)}, {queued} backward passes' deferred "
+                "weight gradients (a W missing from the schedule)"
             )
         return step.losses
 
@@ -212,17 +238,31 @@ class PipelineExecutor:
                 return
             out = loss * (step.loss_scale / self.num_microbatches)
         step.outputs[key] = out
-        self.peak_stashed = max(self.peak_stashed, len(step.outputs))
+        self.peak_stashed = max(self.peak_stashed, len(step.outputs) + len(step.awaiting_w))
 
     def _backward(self, step: _Step, compute: Compute) -> None:
         what = "backward of micro-batch {} (model chunk {})"
         self.comm.activity.enter("backward", what, compute.microbatch, compute.chunk)
         key = (compute.microbatch, compute.chunk)
         out = step.outputs.pop(key)
-        if self._stage(compute.chunk) == self.num_stages - 1:
-            out.backward()
-        else:
-            _backward_through(out, step.output_grads.pop(key))
+        deferring = contextlib.nullcontext()
+        if self._split_backward:
+            deferring = self.weight_grad_stores[compute.chunk].deferring()
+            step.awaiting_w.append(key)
+        with deferring:
+            if self._stage(compute.chunk) == self.num_stages - 1:
+                out.backward()
+            else:
+                _backward_through(out, step.output_grads.pop(key))
+
+    def _weight_grads(self, step: _Step, compute: Compute) -> None:
+        """W: the weight gradients B deferred for this micro-batch, into the grad buffer."""
+        key = (compute.microbatch, compute.chunk)
+        oldest = next((k for k in step.awaiting_w if k[1] == compute.chunk), None)
+        if oldest != key:  # each chunk's store computes its queued backward passes in order
+            raise RuntimeError(f"schedule runs {compute} but the oldest pending B is {oldest}")
+        step.awaiting_w.remove(key)
+        self.weight_grad_stores[compute.chunk].compute_weight_grads(units=1)
 
     def _free(self, tensor: torch.Tensor) -> None:
         self.freed_outputs += _free_data(tensor)

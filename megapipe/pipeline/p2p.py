@@ -1,7 +1,9 @@
 """Point-to-point transfers between pipeline stages: one batch_isend_irecv per `Comm` action.
 
 Each receive is waited on just before the compute that needs it; sends are left in flight and
-waited on before the next batch is posted, so a rank computes while its activations travel.
+waited on once the next batch is posted (posting first, so that a receive the peer's send
+waits for is never held back behind this rank's own wait), so a rank computes while its
+activations travel.
 Shapes are known from the config, so there is no per-micro-batch shape handshake. A receive
 that does not complete within the timeout raises an error naming the peer, instead of leaving
 the rank waiting forever for a stage that died.
@@ -79,8 +81,9 @@ class P2PCommunicator:
         transfers: (op, tensor, callback) with the callback run once a send's buffer is free.
         The caller waits for each receive (`wait`) just before the compute that needs it, so a
         forward can run while the gradient for the backward after it is still on its way.
+        The sends of earlier batches are waited for after this one is posted.
         """
-        self.drain()
+        earlier, self._in_flight = self._in_flight, []
         p2p_ops = [
             dist.P2POp(
                 dist.isend if op.op == "send" else dist.irecv, tensor, self._peer(op), self.group.pg
@@ -96,6 +99,7 @@ class P2PCommunicator:
                 receives[op] = work
             else:
                 self._in_flight.append(PendingSend(work, op, on_done))
+        self._complete(earlier)
         return receives
 
     def wait(self, op: P2P, work: dist.Work) -> None:
@@ -105,6 +109,9 @@ class P2PCommunicator:
     def drain(self) -> None:
         """Wait for every send still in flight, then run its completion callback."""
         pending, self._in_flight = self._in_flight, []
+        self._complete(pending)
+
+    def _complete(self, pending: list[PendingSend]) -> None:
         for send in pending:
             self._wait(send.work, send.op)
             if send.on_done is not None:

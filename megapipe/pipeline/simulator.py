@@ -1,14 +1,14 @@
 """Run every rank's action list together, without processes, to prove a schedule sound.
 
 The semantics are the executor's (`executor.py`, `p2p.py`), with rendezvous transfers, the
-strictest a transport can be: a `Comm` batch is posted without waiting, after which the rank waits for
-the sends of its earlier batches, and a send completes only once its peer has posted the
-matching receive (no buffering); a compute waits for the receive it needs, whose
-data leaves when the peer posts the send; between two ranks sends and receives must be posted
-in the same order (NCCL and gloo match point-to-point messages first-in first-out); and at the
-end of the list the rank waits for its last sends. A schedule that passes here cannot deadlock
-on real p2p, and its timeline under a cost model (forward 1, backward 2 or, split, B 1 and
-W 1, transfers `comm_cost` each) gives the bubble.
+strictest a transport can be: a `Comm` batch is posted without waiting, after which the rank
+waits for the sends of its earlier batches, and a send completes only once its peer has posted
+the matching receive (no buffering); a compute waits for the receive it needs, whose data
+leaves when the peer posts the send; between two ranks sends and receives must be posted in the
+same order (NCCL and gloo match point-to-point messages first-in first-out); and at the end of
+the list the rank waits for its last sends. A schedule that passes here cannot deadlock on
+real p2p, and its timeline under a cost model (forward 1, backward 2 or, split, B 1 and W 1,
+transfers `comm_cost` each) gives the bubble.
 
 A forward-only (evaluation) schedule is checked the same way, expecting every forward and no
 backward; its in-flight count is then the outputs computed but not yet posted downstream.

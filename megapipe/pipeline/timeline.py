@@ -1,9 +1,10 @@
-"""Pipeline timelines as boxes: one per forward, backward or transfer batch, per rank.
+"""Pipeline timelines as boxes: one per forward, backward, weight-gradient pass (zero-bubble
+schedules' W) or transfer batch, per rank.
 
 Two sources give the same shape of data, so one drawing function serves both: the simulator
-(a schedule under the cost model forward 1/v, backward 2/v per chunk) and a measured Chrome
-trace written by `--pipeline-trace` (one iteration of it). Everything here is pure; drawing
-lives in `timeline_plot.py`, the only place that needs matplotlib.
+(a schedule under the cost model forward 1/v, backward 2/v per chunk; split: B and W 1/v each)
+and a measured Chrome trace written by `--pipeline-trace` (one iteration of it). Everything
+here is pure; drawing lives in `timeline_plot.py`, the only place that needs matplotlib.
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ import json
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from megapipe.pipeline.schedules import SCHEDULE_KINDS, ZERO_BUBBLE_KINDS
 from megapipe.pipeline.simulator import Simulation, simulate_kind
+from megapipe.pipeline.trace import TRACE_CATEGORIES
 
-BoxKind = Literal["F", "B", "comm"]
+BoxKind = Literal["F", "B", "W", "comm"]
 
 
 class TraceFormatError(ValueError):
@@ -64,8 +67,12 @@ class Timeline:
         return busy / (self.num_ranks * self.makespan)
 
 
-def theoretical_efficiency(p: int, v: int, m: int) -> float:
-    """The bubble bound: m / (m + p - 1) for 1F1B and GPipe, v*m / (v*m + p - 1) interleaved."""
+def theoretical_efficiency(p: int, v: int, m: int, kind: str | None = None) -> float:
+    """The bubble bound: m / (m + p - 1) for 1F1B and GPipe, v*m / (v*m + p - 1) interleaved;
+    for a schedule `kind`, 1 / (1 + its simulated bubble) under the cost model F = B = W (for
+    zero-bubble-h1 3m / (3m + p - 1), the paper's bubble)."""
+    if kind in SCHEDULE_KINDS:
+        return 1.0 / (1.0 + simulate_kind(kind, p, v, m).bubble_fraction())
     return v * m / (v * m + p - 1)
 
 
@@ -81,8 +88,10 @@ def simulated_timeline(kind: str, p: int, v: int, m: int) -> Timeline:
     """Simulate `kind` (raises ConfigError for combinations it cannot run) as a Timeline."""
     sim = simulate_kind(kind, p, v, m)
     bubble = sim.bubble_fraction()
+    costs = "forward, B and W" if kind in ZERO_BUBBLE_KINDS else "forward 1/v, backward 2/v"
+    costs += " 1/v each" if kind in ZERO_BUBBLE_KINDS else ""
     title = (
-        f"{kind}, p={p}, v={v}, m={m} (simulated; forward 1/v, backward 2/v per chunk)\n"
+        f"{kind}, p={p}, v={v}, m={m} (simulated; {costs} per chunk)\n"
         f"bubble {bubble:.1%} of compute time; compute fills {1 / (1 + bubble):.1%} of p x "
         "step time"
     )
@@ -107,7 +116,7 @@ def _action_events(document: dict) -> list[dict]:
     return [
         e
         for e in document["traceEvents"]
-        if e.get("ph") == "X" and e.get("cat") in ("forward", "backward", "comm")
+        if e.get("ph") == "X" and e.get("cat") in (*TRACE_CATEGORIES.values(), "comm")
     ]
 
 
@@ -126,7 +135,8 @@ def boxes_from_trace(document: dict, step: int | None = None) -> list[Box]:
         raise TraceFormatError(f"the trace has no step {step}; it recorded steps {steps}")
     events = [e for e in _action_events(document) if e.get("args", {}).get("step", 0) == step]
     origin = min(e["ts"] for e in events)
-    kinds: dict[str, BoxKind] = {"forward": "F", "backward": "B", "comm": "comm"}
+    kinds: dict[str, BoxKind] = {cat: phase for phase, cat in TRACE_CATEGORIES.items()}
+    kinds["comm"] = "comm"
     boxes = []
     for e in events:
         args = e.get("args", {})
@@ -156,8 +166,11 @@ def measured_timeline(document: dict, step: int | None = None) -> Timeline:
     kind = meta.get("schedule", "pipeline")
     timeline = Timeline(tuple(boxes), p, m, v, "", "ms")
     efficiency = timeline.compute_efficiency()
-    bound = theoretical_efficiency(p, v, m)
-    formula = "v*m/(v*m+p-1)" if v > 1 else "m/(m+p-1)"
+    if kind in ZERO_BUBBLE_KINDS:
+        bound, formula = theoretical_efficiency(p, v, m, kind), "simulated, F=B=W"
+    else:
+        bound = theoretical_efficiency(p, v, m)
+        formula = "v*m/(v*m+p-1)" if v > 1 else "m/(m+p-1)"
     title = (
         f"{kind}, p={p}, v={v}, m={m} (measured, iteration {step}: "
         f"{timeline.makespan:.0f} ms)\ncompute fills {efficiency:.1%} of p x step time "

@@ -1,7 +1,8 @@
 """Draw a `Timeline` as a PNG: ranks as rows, one colour per micro-batch, the bubble left empty.
 
-Forward boxes are a light tint of their micro-batch's colour, backward boxes the full colour, so
-a micro-batch's two halves pair up at a glance. Transfers are thin grey bars along the bottom
+Forward boxes are a light tint of their micro-batch's colour, backward boxes the full colour, and
+a zero-bubble schedule's weight-gradient passes (W) a dark shade of it, so a micro-batch's parts
+pair up at a glance. Transfers are thin grey bars along the bottom
 of a row. matplotlib is imported here only (object API with the Agg canvas: no pyplot, no
 global backend switch), so the rest of megapipe never needs it.
 """
@@ -18,11 +19,17 @@ SMALL_FONT_PT = 6.5  # for labels that do not fit at FONT_PT
 ROW_HEIGHT = 0.8  # of one row's unit height; the rest separates the rows
 COMM_HEIGHT = 0.12
 LIGHTEN = 0.55  # forward colour = this much white mixed into the micro-batch colour
+DARKEN = 0.45  # W colour = this much black mixed into the micro-batch colour
 
 
 def _mix(rgb: tuple[float, ...], white: float) -> tuple[float, float, float]:
     r, g, b = rgb[:3]
     return (r + (1 - r) * white, g + (1 - g) * white, b + (1 - b) * white)
+
+
+def _dark(rgb: tuple[float, ...]) -> tuple[float, float, float]:
+    r, g, b = rgb[:3]
+    return (r * (1 - DARKEN), g * (1 - DARKEN), b * (1 - DARKEN))
 
 
 def _text_colour(rgb: tuple[float, ...]) -> str:
@@ -76,7 +83,7 @@ def draw_timeline(timeline: Timeline, path: str, *, width_in: float = 14.0, dpi:
             ax.add_patch(Rectangle((x, y), w, COMM_HEIGHT, color="#9a9a9a", lw=0, zorder=2))
             continue
         base = palette[box.microbatch % len(palette)]
-        face = _mix(base, LIGHTEN) if box.kind == "F" else base[:3]
+        face = {"F": _mix(base, LIGHTEN), "W": _dark(base)}.get(box.kind, base[:3])
         ax.add_patch(
             Rectangle(
                 (x, box.rank - ROW_HEIGHT / 2),
@@ -119,6 +126,9 @@ def draw_timeline(timeline: Timeline, path: str, *, width_in: float = 14.0, dpi:
         Patch(facecolor=grey, label="backward (dark)"),
         Patch(facecolor="white", edgecolor="#bbbbbb", label="empty: bubble / waiting"),
     ]
+    if any(b.kind == "W" for b in timeline.boxes):
+        handles[1] = Patch(facecolor=grey, label="B: input gradient (full)")
+        handles.insert(2, Patch(facecolor=_dark(grey), label="W: weight gradient (dark)"))
     if any(b.kind == "comm" for b in timeline.boxes):
         handles.append(Patch(facecolor="#9a9a9a", label="communication (incl. waiting on a peer)"))
     fig.legend(

@@ -2,7 +2,8 @@
 
 Each rank records the wall-clock start and end of every action it runs; at the end of training
 the records are gathered to global rank 0, which writes one file: one row per pipeline rank,
-forward and backward as separate categories, communication batches in a third.
+forward, backward and (zero-bubble schedules) weight-gradient passes as separate categories,
+communication batches in another.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import torch.distributed as dist
 
 from megapipe.atomic_files import write_json
 from megapipe.pipeline.schedules import Action, Compute
+
+TRACE_CATEGORIES = {"F": "forward", "B": "backward", "W": "weight-grad"}
 
 
 @dataclass
@@ -25,7 +28,7 @@ class TraceRecorder:
 
     def record(self, action: Action, start: float, end: float) -> None:
         if isinstance(action, Compute):
-            category = "forward" if action.phase == "F" else "backward"
+            category = TRACE_CATEGORIES[action.phase]
             args = {"microbatch": action.microbatch, "chunk": action.chunk}
         else:
             category, args = "comm", {"ops": [str(op) for op in action.ops]}
