@@ -18,10 +18,14 @@ checks that the named test exists and holds the message. Everything else runs he
 
 from __future__ import annotations
 
+import ast
+import functools
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
+import subprocess
 import sys
 import warnings
 from collections.abc import Callable
@@ -56,6 +60,7 @@ class Bad:
     says: str
     fix: str
     tested: str = ""  # "tests/test_x.py::test_name" when tested one-for-one there
+    key: str = ""  # the fragment that test asserts, when shorter than `says`
 
 
 def one_line(message: str) -> str:
@@ -120,13 +125,11 @@ ELSEWHERE_FLAGS = [
         "tests/test_arguments.py::test_unknown_pipeline_schedule"),
     Bad("no dataset", "no dataset: pass --mock-data",
         "give --data-path (or --train-data-path), or --mock-data --vocab-size N",
-        "tests/test_arguments.py::test_missing_mock_data_means_no_dataset"),
-    Bad("mock data without a vocabulary size", "--mock-data needs --vocab-size",
-        "add --vocab-size N (or a tokenizer)", "tests/test_arguments.py::"
-        "test_mock_data_needs_vocab_size"),
+        "tests/test_pretrain_cli.py::test_main_reports_config_errors_in_one_line"),
     Bad("unknown flag, bad value, missing required flag", "unrecognized arguments: --no-such-flag",
         "fix the spelling (the line suggests the closest flag); values must parse as the "
-        "flag's type", "tests/test_arguments.py::test_unknown_flag_and_bad_value_are_config_errors"),
+        "flag's type",
+        "tests/test_arguments.py::test_unknown_flag_and_bad_value_are_config_errors"),
     Bad("out-of-range sizes, dropouts, backends", "--hidden-dropout",
         "use a value in the range the line names", "tests/test_arguments.py::"
         "test_out_of_range_values_name_flag_and_value"),
@@ -157,6 +160,9 @@ ELSEWHERE_FLAGS = [
 
 B = Bad
 FLAG_CASES: list[tuple[Bad, dict, list[str], int]] = [
+    (B("mock data without a vocabulary size", "--mock-data needs --vocab-size (or "
+       "--tokenizer-type, whose vocabulary size is used)", "add --vocab-size N (or a tokenizer)"),
+     {"vocab_size": None}, [], 1),
     (B("a Megatron-LM flag megapipe does not have", "--num-experts is a Megatron-LM flag that "
        "megapipe does not support yet", "remove the flag (the feature is not in megapipe)"),
      {}, ["--num-experts", "8"], 1),
@@ -413,14 +419,17 @@ ELSEWHERE_DATA = [
     Bad("a --split that leaves nothing for training", "leaves nothing for training",
         "give the training split a share",
         "tests/test_data_training.py::test_bad_data_flags_are_one_line_errors"),
-    Bad("a --data-path weight list with a weight missing", "looks like a weight, but weights "
-        "must come one before each prefix", "write weight prefix pairs: 0.3 A 0.7 B",
-        "tests/test_data_training.py::test_bad_data_flags_are_one_line_errors"),
-    Bad("negative --data-path weights", "weights must be finite and non-negative",
-        "use weights >= 0", "tests/test_blending.py::test_parse_blend_reads_megatron_data_paths"),
-    Bad("--data-path weights that sum to zero", "the weights sum to zero",
+    Bad("a --data-path weight list with a weight missing", "--data-path: '0.5' looks like a "
+        "weight, but weights must come one before each prefix (e.g. 0.3 A 0.7 B)",
+        "write weight prefix pairs: 0.3 A 0.7 B",
+        "tests/test_data_training.py::test_bad_data_flags_are_one_line_errors",
+        "'0.5' looks like a weight"),
+    Bad("negative --data-path weights", "--data-path: weights must be finite and "
+        "non-negative, got [-1.0, 2.0]", "use weights >= 0",
+        "tests/test_blending.py::test_parse_blend_reads_megatron_data_paths", "non-negative"),
+    Bad("--data-path weights that sum to zero", "--data-path: the weights sum to zero",
         "give some dataset a positive weight",
-        "tests/test_blending.py::test_parse_blend_reads_megatron_data_paths"),
+        "tests/test_blending.py::test_parse_blend_reads_megatron_data_paths", "zero"),
     Bad("--data-cache-path that is a file", "exists and is not a directory",
         "point it at a directory", "tests/test_data_training.py::"
         "test_bad_data_flags_are_one_line_errors"),
@@ -600,8 +609,10 @@ def test_bad_jsonl(case, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     out = tmp_path / "out"
     _previous_output(out)
     before = snapshot(tmp_path)
-    assert run_tool(preprocess_data.PROG, preprocess_data.main, _preprocess_argv(source, out,
-                                                                              *extra)) == 1
+    assert (
+        run_tool(preprocess_data.PROG, preprocess_data.main, _preprocess_argv(source, out, *extra))
+        == 1
+    )
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and lines[0].startswith("preprocess_data.py: error: "), lines
     assert bad.says in one_line(lines[0]), (bad.says, lines[0])
@@ -687,8 +698,9 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     legacy = root / "mp_rank_00"
     legacy.mkdir()
     torch.save({"iteration": 1, "model": {"w": torch.arange(12.0)}}, legacy / "model_optim_rng.pt")
-    atomic_dir.write_checksums(str(legacy), atomic_dir.fsync_and_digest(str(legacy),
-                                                                       ["model_optim_rng.pt"]))
+    atomic_dir.write_checksums(
+        str(legacy), atomic_dir.fsync_and_digest(str(legacy), ["model_optim_rng.pt"])
+    )
     return {"dist": dist_dir, "legacy": legacy}  # fmt: skip
 
 
@@ -797,3 +809,182 @@ def test_bad_trackers(case, tmp_path: Path) -> None:
     (tmp_path / "latest_checkpointed_iteration.txt").write_text(text)
     message = flag_error({"load": str(tmp_path)}, [], 1)
     assert bad.says in message, (bad.says, message)
+
+
+# --- each command-line program once, as a subprocess ------------------------------------------
+
+
+def _env() -> dict[str, str]:
+    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "MEGAPIPE_DEBUG")
+    env = {k: v for k, v in os.environ.items() if k not in launcher}
+    return {**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+
+@dataclass
+class Program:
+    """A command-line run that must fail with one line: the line, its status, what it wrote."""
+
+    argv: list[str]
+    says: str
+    status: int
+    watched: Path  # must be unchanged (or absent) afterwards
+    main: Callable[[list[str]], int]  # the same program in process
+
+
+def _convert_main(args: list[str]) -> int:
+    spec = importlib.util.spec_from_file_location(
+        "convert_tool", ROOT / "tools/checkpoint/convert.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(args)
+
+
+def _pretrain_main(args: list[str]) -> int:
+    import pretrain_gpt
+
+    return pretrain_gpt.main(args)
+
+
+SCRIPTS = {
+    "pretrain_gpt.py": ROOT / "pretrain_gpt.py",
+    "preprocess_data.py": ROOT / "tools" / "preprocess_data.py",
+    "convert.py": ROOT / "tools" / "checkpoint" / "convert.py",
+}
+
+
+def _programs(root: Path) -> dict[str, Program]:
+    """Each program with a bad input, and a previous output it must leave alone."""
+    save = root / "save"
+    save.mkdir()
+    (save / "latest_checkpointed_iteration.txt").write_text("abc")  # a previous run's output
+    source = root / "in.jsonl"
+    source.write_bytes(GOOD + b"not json\n")
+    out = root / "out"
+    _previous_output(out)
+    broken = root / "broken"
+    (broken / "iter_0000001").mkdir(parents=True)
+    (broken / "latest_checkpointed_iteration.txt").write_text("1")
+    converted = root / "converted"
+    return {
+        "pretrain_gpt.py": Program(
+            [*argv(hidden_size=100, num_attention_heads=3), "--save", str(save)],
+            "pretrain_gpt.py: error: --hidden-size (100) must be divisible by "
+            "--num-attention-heads (3)", 2, save, _pretrain_main),
+        "preprocess_data.py": Program(
+            _preprocess_argv(source, out, "--strict"),
+            f"preprocess_data.py: error: {source}:2: malformed JSON", 1, out,
+            lambda args: run_tool(preprocess_data.PROG, preprocess_data.main, args)),
+        "convert.py": Program(
+            ["--model-type", "GPT", "--load-dir", str(broken), "--save-dir", str(converted)],
+            f"convert.py: error: checkpoint file {broken}/iter_0000001/checksums.json: missing",
+            2, converted,
+            _convert_main),
+    }  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def programs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Each program run once as a subprocess, all started at once."""
+    cases = _programs(tmp_path_factory.mktemp("cli"))
+    before = {name: snapshot(case.watched) for name, case in cases.items()}
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, str(SCRIPTS[name]), *case.argv], env=_env(), text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for name, case in cases.items()
+    }  # fmt: skip
+    done = {name: (*proc.communicate(timeout=120), proc.returncode) for name, proc in procs.items()}
+    return {"cases": cases, "before": before, "done": done}
+
+
+@pytest.mark.parametrize("name", list(SCRIPTS))
+def test_each_program_fails_with_one_line_and_writes_nothing(programs, name: str) -> None:
+    case: Program = programs["cases"][name]
+    stdout, stderr, status = programs["done"][name]
+    assert status == case.status, stderr
+    assert len(stderr.splitlines()) == 1 and stderr.startswith(case.says), stderr
+    one_line(stderr.strip())
+    assert "Traceback" not in stdout
+    assert snapshot(case.watched) == programs["before"][name]  # intact (or still absent)
+
+
+@pytest.mark.parametrize("name", list(SCRIPTS))
+def test_debug_shows_the_traceback_above_the_same_line(
+    name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch
+) -> None:
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MEGAPIPE_DEBUG"):
+        monkeypatch.delenv(var, raising=False)
+    case = _programs(tmp_path)[name]
+    assert case.main(case.argv) == case.status
+    plain = capsys.readouterr().err
+    assert case.main([*case.argv, "--debug"]) == case.status
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "Traceback (most recent call last):" and lines[-1] == plain.strip()
+    assert any(str(ROOT / "megapipe") in line for line in lines)  # where megapipe raised it
+    monkeypatch.setenv("MEGAPIPE_DEBUG", "1")
+    assert case.main(case.argv) == case.status
+    assert capsys.readouterr().err.splitlines() == lines
+
+
+# --- the catalogue itself ---------------------------------------------------------------------
+
+ELSEWHERE = ELSEWHERE_FLAGS + ELSEWHERE_DATA + ELSEWHERE_JSONL + ELSEWHERE_CHECKPOINTS
+CLI_ROWS = [
+    Bad(
+        "any of the above from a command-line program",
+        "PROG: error: ",
+        "one line on stderr; pretrain_gpt.py exits 2 for flags (every rank alike, before any "
+        "process group) and 1 for data, checkpoint or NaN errors found later; tools exit 1 (2 for "
+        "their flags); add --debug (or MEGAPIPE_DEBUG=1) to see the traceback",
+    ),
+]
+CATALOGUE: dict[str, list[Bad]] = {
+    "flags": [case[0] for case in FLAG_CASES] + ELSEWHERE_FLAGS,
+    "data and tokenizer files": [case[0] for case in DATA_CASES] + ELSEWHERE_DATA,
+    "JSONL input": [case[0] for case in JSONL_CASES] + ELSEWHERE_JSONL,
+    "checkpoints": [case[0] for case in CHECKPOINT_CASES + TRACKER_CASES] + ELSEWHERE_CHECKPOINTS,
+    "programs": CLI_ROWS,
+}
+
+
+@functools.cache
+def _test_module(path: str) -> tuple[dict[str, str], str]:
+    """A test module's functions -> the string constants in each; all its string constants."""
+    tree = ast.parse((ROOT / path).read_text())
+
+    def strings(node: ast.AST) -> str:
+        found = [n.value for n in ast.walk(node) if isinstance(n, ast.Constant)]
+        return " ".join(v for v in found if isinstance(v, str)).replace("\\", "")
+
+    functions = {n.name: strings(n) for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+    return functions, strings(tree)
+
+
+@pytest.mark.parametrize("bad", ELSEWHERE, ids=lambda bad: bad.what)
+def test_rows_tested_elsewhere_name_a_test_that_checks_the_message(bad: Bad) -> None:
+    path, name = bad.tested.split("::")
+    functions, module = _test_module(path)
+    assert name in functions, f"{bad.tested} does not exist"
+    fragment = bad.key or bad.says  # in the test itself, or in a table of cases it reads
+    assert fragment in functions[name] or fragment in module, f"{path} never says {fragment!r}"
+
+
+def test_every_row_is_described_once() -> None:
+    rows = [bad for group in CATALOGUE.values() for bad in group]
+    assert len({(bad.what, bad.says) for bad in rows}) == len(rows)
+    assert all(bad.what and bad.says and bad.fix for bad in rows)
+
+
+def troubleshooting_table() -> str:
+    """The catalogue as the README's troubleshooting rows (`| you see | what to do |`)."""
+    out = ["| you see | what to do |", "|---|---|"]
+    for group, rows in CATALOGUE.items():
+        for bad in rows:
+            says = bad.says.replace("|", "\\|")
+            out.append(f"| `{says}` ({bad.what}; {group}) | {bad.fix} |")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    print(troubleshooting_table())
