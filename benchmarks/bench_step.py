@@ -53,24 +53,34 @@ def model_flags(args: argparse.Namespace) -> list[str]:
 
 
 class MegapipeStep:
-    """megapipe's training step at one rank, built the way pretrain_gpt.py builds it."""
+    """megapipe's training step on this rank, built the way pretrain_gpt.py builds it.
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    `flags`: pretrain_gpt.py's flags; `world_size` and `state`: the layout (one rank when
+    `state` is None).
+    """
+
+    def __init__(self, flags: list[str], world_size: int = 1, state=None) -> None:
         from megapipe.arguments import parse_args
         from megapipe.data.sources import build_batch_sources
         from megapipe.parallel.state import ParallelState
         from megapipe.training.train import build_executor, build_model_chunks_for, build_optimizer
 
-        self.configs = parse_args(model_flags(args), 1)
-        self.state = ParallelState.single()
+        self.configs = parse_args(flags, world_size)
+        parallel = self.configs.parallel
+        self.state = state or ParallelState.single()
+        if world_size > 1 and state is None:
+            self.state = ParallelState.build(
+                parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+            )
         self.chunks = build_model_chunks_for(self.configs, self.state)
         self.executor = build_executor(self.chunks, self.configs, self.state)
         self.optimizer = build_optimizer(self.chunks, self.configs, self.state)
         self.data = build_batch_sources(
             self.configs, train_samples=0, valid_samples=0, test_samples=0
         ).train
-        self.global_batch = args.micro_batch * args.micro_batches
-        self.micro_batch, self.lr, self.iteration = args.micro_batch, args.lr, 0
+        training = self.configs.training
+        self.global_batch, self.micro_batch = training.global_batch_size, training.micro_batch_size
+        self.lr, self.iteration = training.lr, 0
 
     def __call__(self) -> float:
         from megapipe.training.step import GlobalBatch, train_step
@@ -212,7 +222,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    megapipe = MegapipeStep(args)
+    megapipe = MegapipeStep(model_flags(args))
     plain = PlainStep(args, megapipe)
     steps = {"megapipe": megapipe, "plain": plain}
     # The same weights, batches and math: the first losses agree to fp32 rounding.

@@ -130,7 +130,11 @@ class ShardedOptimizer:
         runs = merged_runs(self.pieces, buffers)
         self._grad_runs = [run.grads() for run in runs]
         counted = [p for p in self.pieces if counted_in_norm(p.param, tp_rank)]
+        others = [p for p in self.pieces if not counted_in_norm(p.param, tp_rank)]
         self._norm_runs = [run.grads() for run in merged_runs(counted, buffers)]
+        # TP replicas counted on another rank: their sum enters the norm times 0, so a NaN/Inf
+        # in this rank's copy still makes the norm non-finite (a fault on one rank only).
+        self._uncounted_runs = [run.grads() for run in merged_runs(others, buffers)]
         self._copy_back = any(b.param_data.dtype != torch.float32 for b in buffers)
         # fp32: the masters are views of the parameter buffer itself. bf16/fp16: one fp32 copy
         # per run, of which each piece's master is a view (the write-back: one copy per run).
@@ -174,10 +178,13 @@ class ShardedOptimizer:
         """L2 norm of the whole model's (unscaled) gradient, identical on every rank.
 
         One fp32 sum of squares per merged run, added in float64 (grad_norm.sum_of_squares),
+        plus 0 x the TP replicas counted elsewhere (finite: no change; NaN/Inf: propagated),
         then ONE all-reduce: over the world when the optimizer is sharded (DP shards, TP
         shards and stages all hold distinct parts), else over the model-parallel group.
         """
         total = sum_of_squares(self._norm_runs, self.state.device)
+        if self._uncounted_runs:
+            total += 0.0 * sum_of_squares(self._uncounted_runs, self.state.device)
         group = self.state.world if self.sharded else self.state.model_parallel
         if group.size > 1:
             dist.all_reduce(total, group=group.pg)
