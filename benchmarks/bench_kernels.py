@@ -39,7 +39,7 @@ if not torch.cuda.is_available():  # before anything imports Triton
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from megapipe.atomic_files import write_json  # noqa: E402
-from megapipe.kernels.availability import detect, triton_probe  # noqa: E402
+from megapipe.kernels.availability import Availability, detect, triton_probe  # noqa: E402
 from megapipe.kernels.cases import (  # noqa: E402
     CASES,
     CPU_SIZES,
@@ -185,10 +185,10 @@ def main(argv: list[str] | None = None) -> dict:
         sizes = CPU_SIZES
         mode = "CPU: harness check only (Triton interpreter on tiny shapes; times not meaningful)"
     impls = args.impl.split(",") + (["compile"] if args.compile and cuda else [])
-    found = detect() if cuda else None
+    found = detect() if cuda else Availability.nothing("CPU: only the Triton interpreter runs")
     for impl in list(impls):
         library = REQUIRES.get(impl)
-        probe = triton_probe() if library == "triton" or found is None else getattr(found, library)
+        probe = triton_probe() if library == "triton" else getattr(found, library or "", None)
         if library is not None and not probe.available:
             impls.remove(impl)
             mode += f"; no {impl} ({probe.reason})"

@@ -1,0 +1,143 @@
+"""The GPU check's harness on CPU: tools/gpu_check.sh parses and refuses a machine without CUDA
+in one line; benchmarks/gpu_training_check.py and benchmarks/bench_gpu_mfu.py run end to end at
+their --tiny sizes (real pretrain_gpt.py runs) and their verdicts and numbers are checked
+against the values they report, recomputed here."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import gpu_training_check as gtc  # noqa: E402
+
+from megapipe.config import ModelConfig  # noqa: E402
+from megapipe.training.flops import flops_per_iteration  # noqa: E402
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **extra)
+    return env
+
+
+def test_gpu_check_script_parses() -> None:
+    subprocess.run(["bash", "-n", str(ROOT / "tools" / "gpu_check.sh")], check=True, timeout=30)
+
+
+def test_gpu_check_without_cuda_is_one_line_and_status_2(tmp_path) -> None:
+    env = _env(CUDA_VISIBLE_DEVICES="", GPU_CHECK_OUT=str(tmp_path / "o"))
+    script = str(ROOT / "tools" / "gpu_check.sh")
+    done = subprocess.run(
+        ["bash", script], capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env
+    )
+    assert done.returncode == 2
+    assert done.stderr.startswith("gpu_check: no CUDA device here")
+    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+    assert not (tmp_path / "o").exists()  # nothing started, nothing written
+
+
+@pytest.fixture(scope="module")
+def tiny_runs(tmp_path_factory):
+    """Both harnesses at their --tiny sizes, run side by side (the slow part of this file)."""
+    out = tmp_path_factory.mktemp("gpu_check")
+    commands = {
+        "training": [sys.executable, "benchmarks/gpu_training_check.py", "--tiny",
+                     "--json", str(out / "training.json")],
+        "mfu": [sys.executable, "benchmarks/bench_gpu_mfu.py", "--tiny", "--peak-tflops", "2",
+                "--json", str(out / "mfu.json")],
+    }  # fmt: skip
+    procs = {
+        name: subprocess.Popen(
+            command, cwd=ROOT, env=_env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )  # fmt: skip
+        for name, command in commands.items()
+    }
+    results = {}
+    for name, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=300)
+        results[name] = (
+            proc.returncode,
+            stdout,
+            stderr,
+            json.loads((out / f"{name}.json").read_text()),
+        )
+    return results
+
+
+def test_training_check_tiny_runs_fp32_twice_and_passes(tiny_runs) -> None:
+    status, stdout, stderr, report = tiny_runs["training"]
+    assert status == 0, stderr
+    lines = stdout.strip().splitlines()
+    assert lines[-3].split()[:2] == ["run", "first"]  # the table is the last thing printed
+    assert lines[-2].startswith("fp32 ") and lines[-1].startswith("fp32-repeat ")
+    first, repeat = report["runs"]
+    assert len(first["losses"]) == gtc.TINY_SIZE.iters == len(repeat["losses"])
+    assert first["losses"] == repeat["losses"]  # the same run twice on CPU: bit-identical
+    assert first["losses"][-1] < first["losses"][0] - report["min_drop"]
+    assert repeat["max_relative_difference"] == 0.0 and not first["failures"]
+
+
+def test_training_check_verdicts_can_fail() -> None:
+    size = gtc.Size(**dict(gtc.asdict(gtc.TINY_SIZE), iters=3))
+    baseline = gtc.Run("fp32", "fp32", losses=[5.0, 4.5, 4.0])
+    gtc.judge(baseline, None, size, 0.5)
+    assert baseline.failures == []
+    cases = {
+        "nan": ([5.0, float("nan"), 4.0], 0, "not finite"),
+        "flat": ([5.0, 5.0, 4.9], 0, "loss fell"),
+        "far": ([5.0, 4.5, 4.6], 0, "iteration 3: 1.50e-01 from fp32 > 0.05"),
+        "short": ([5.0, 4.5], 0, "2 of 3 iterations"),
+        "skipped": ([5.0, 4.5, 4.0], 2, "2 iterations skipped"),
+    }
+    for name, (losses, skipped, expected) in cases.items():
+        run = gtc.Run(name, "bf16", losses=losses, skipped=skipped)
+        gtc.judge(run, baseline, size, 0.5)
+        assert any(expected in failure for failure in run.failures), (name, run.failures)
+    ok = gtc.Run("bf16", "bf16", losses=[5.01, 4.52, 4.03])
+    gtc.judge(ok, baseline, size, 0.5)
+    assert ok.failures == [] and math.isclose(ok.max_relative_difference, 0.0075)
+
+
+def test_parse_losses_reads_megatrons_log_line() -> None:
+    line = (" iteration        2/      10 | consumed samples:           8 | elapsed time per "
+            "iteration (ms): 12.5 | learning rate: 1.000000E-03 | global batch size:     4 | "
+            "lm loss: 4.812345E+00 | loss scale: 4096.0 | grad norm: 1.234 | number of skipped "
+            "iterations:   1 | number of nan iterations:   0 |")  # fmt: skip
+    assert gtc.parse_losses(
+        f"noise\n{line}\nvalidation loss at iteration 2 | lm loss value: 9\n"
+    ) == ([4.812345], 1)
+
+
+def test_mfu_bench_tiny_reports_consistent_numbers(tiny_runs) -> None:
+    status, stdout, stderr, report = tiny_runs["mfu"]
+    assert status == 0, stderr
+    lines = stdout.strip().splitlines()
+    assert lines[-3].startswith("model ") and lines[-2].startswith("megapipe (fp32)")
+    assert lines[-1].startswith("plain PyTorch (fp32)")
+    size = report["size"]
+    config = ModelConfig(num_layers=size["layers"], hidden_size=size["hidden"],
+                         num_attention_heads=size["heads"], vocab_size=size["vocab"],
+                         seq_length=size["seq"])  # fmt: skip
+    assert report["flops_per_iteration"] == flops_per_iteration(
+        config, size["global_batch"], padded_vocab_size=size["vocab"]
+    )
+    assert report["kernels"].startswith("kernels: ") and "=triton" not in report["kernels"]
+    for row in report["rows"]:
+        assert len(row["iteration_seconds"]) == 3 and all(t > 0 for t in row["iteration_seconds"])
+        median = (
+            sorted(row["iteration_seconds"][1:])[0] / 2
+            + sorted(row["iteration_seconds"][1:])[1] / 2
+        )
+        assert math.isclose(row["seconds_per_iteration"], median)
+        tflops = report["flops_per_iteration"] / median / 1e12
+        assert math.isclose(row["tflops"], tflops) and math.isclose(row["mfu"], tflops / 2)
+        assert math.isclose(row["tokens_per_second"], size["global_batch"] * size["seq"] / median)
