@@ -1,24 +1,28 @@
 """Fuzz the .idx reader (hypothesis): arbitrary and mutated files either open, and then every
-sequence reads within bounds, or fail with IndexedDatasetError; never another exception."""
+sequence reads within bounds (whole, in random slices, after a pickle round trip as a data
+loader worker receives it), or fail with IndexedDatasetError; never another exception.
+MEGAPIPE_FUZZ_EXAMPLES sets the examples per test (tests/test_fuzz.py)."""
 
 from __future__ import annotations
 
+import pickle
 import tempfile
 from pathlib import Path
 
 import numpy as np
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from megapipe.data.errors import IndexedDatasetError
 from megapipe.data.indexed_builder import IndexedDatasetBuilder
 from megapipe.data.indexed_dataset import IndexedDataset
 from megapipe.data.indexed_format import HEADER, MAGIC
+from tests.test_fuzz import fuzz_settings
 
-SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = fuzz_settings(150)
 
 
-def _check(idx: bytes, binary: bytes) -> None:
+def _check(idx: bytes, binary: bytes, slices: list[tuple[int, int, int]] = ()) -> None:
     with tempfile.TemporaryDirectory() as directory:
         prefix = Path(directory) / "f"
         Path(f"{prefix}.idx").write_bytes(idx)
@@ -36,7 +40,16 @@ def _check(idx: bytes, binary: bytes) -> None:
         for j in range(ds.num_documents):
             ds.document(j)
         assert total * ds.dtype.itemsize == len(binary)
-        del ds
+        copy = pickle.loads(pickle.dumps(ds))
+        for index, offset, length in slices:
+            try:
+                part = copy.get(index, offset, length)
+            except IndexError:
+                size = int(ds.sequence_lengths[index]) if 0 <= index < len(ds) else -1
+                assert size < 0 or offset < 0 or length < 0 or offset + length > size
+                continue
+            assert part.tolist() == ds[index][offset : offset + length].tolist()
+        del ds, copy
 
 
 def _valid_pair(lengths: list[int], code_dtype) -> tuple[bytes, bytes]:
@@ -77,12 +90,15 @@ def test_valid_magic_with_arbitrary_header_and_body(
     edits=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), max_size=4),
     cut=st.integers(-8, 8),
     bin_cut=st.integers(-4, 4),
+    slices=st.lists(
+        st.tuples(st.integers(-1, 6), st.integers(-2, 7), st.integers(-2, 7)), max_size=5
+    ),  # fmt: skip
 )
-def test_mutated_valid_files(lengths, dtype, edits, cut, bin_cut) -> None:
+def test_mutated_valid_files(lengths, dtype, edits, cut, bin_cut, slices) -> None:
     idx, binary = _valid_pair(lengths, dtype)
     idx = bytearray(idx)
     for position, value in edits:
         idx[position % len(idx)] = value
     idx = bytes(idx[: len(idx) + cut]) if cut < 0 else bytes(idx) + bytes(cut)
     binary = binary[: len(binary) + bin_cut] if bin_cut < 0 else binary + bytes(bin_cut)
-    _check(idx, binary)
+    _check(idx, binary, slices)
