@@ -23,6 +23,7 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -188,10 +189,12 @@ def main(argv: list[str] | None = None) -> int:
     min_drop = args.min_drop if args.min_drop is not None else (0.05 if args.tiny else 1.0)
     plan = [("fp32", "fp32"), ("fp32-repeat", "fp32")] if args.tiny else [
         ("fp32", "fp32"), ("bf16", "bf16"), ("fp16", "fp16")]  # fmt: skip
+    # One GPU: one run at a time. The CPU check runs its two side by side (CI's wall time).
+    with ThreadPoolExecutor(len(plan) if args.tiny else 1) as pool:
+        results = list(pool.map(lambda p: train(size, p[1], args.timeout), plan))
     runs = []
-    for label, precision in plan:
-        run = Run(label, precision)
-        run.losses, run.skipped = train(size, precision, args.timeout)
+    for (label, precision), (losses, skipped) in zip(plan, results, strict=True):
+        run = Run(label, precision, losses, skipped)
         judge(run, runs[0] if runs else None, size, min_drop)
         runs.append(run)
     device = "cpu" if args.tiny else torch.cuda.get_device_name()
