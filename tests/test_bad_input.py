@@ -2,7 +2,7 @@
 
 Each row is a `Bad`: what the input is, a fragment of the one line that names it (the flag,
 file, line or offset), and what the user should do (the README's troubleshooting table is this
-catalogue: `python tests/test_bad_input.py` prints it). Rows whose rejection path is already
+catalogue: `python -m tests.test_bad_input` prints it). Rows whose rejection path is already
 tested one-for-one elsewhere name that test (`tested=`) instead of running it twice; a test here
 checks that the named test exists and holds the message. Everything else runs here:
 
@@ -77,75 +77,110 @@ ELSEWHERE_FLAGS = [
         "--hidden-size (100) must be divisible by --num-attention-heads (3)",
         "choose --hidden-size a multiple of --num-attention-heads",
         "tests/test_arguments.py::test_hidden_size_not_divisible_by_heads"),
-    Bad("heads not divisible by TP", "--num-attention-heads (6)",
+    Bad("heads not divisible by TP", "--num-attention-heads (6) must be divisible by "
+        "--tensor-model-parallel-size (4)",
         "--num-attention-heads (and --num-query-groups) must be multiples of "
         "--tensor-model-parallel-size", "tests/test_arguments.py::"
-        "test_heads_not_divisible_by_tensor_parallel_size"),
-    Bad("query groups not divisible by TP", "--num-query-groups (2)",
+        "test_heads_not_divisible_by_tensor_parallel_size", key="--num-attention-heads (6)"),
+    Bad("query groups not divisible by TP", "--num-query-groups (2) must be divisible by "
+        "--tensor-model-parallel-size (4)",
         "choose --num-query-groups a multiple of --tensor-model-parallel-size",
-        "tests/test_arguments.py::test_query_groups_not_divisible_by_tensor_parallel_size"),
-    Bad("heads not divisible by the query groups", "--num-attention-heads (8)",
+        "tests/test_arguments.py::test_query_groups_not_divisible_by_tensor_parallel_size",
+        key="--num-query-groups (2)"),
+    Bad("heads not divisible by the query groups", "--num-attention-heads (8) must be "
+        "divisible by --num-query-groups (3)",
         "choose --num-query-groups dividing --num-attention-heads",
-        "tests/test_arguments.py::test_heads_not_divisible_by_query_groups"),
+        "tests/test_arguments.py::test_heads_not_divisible_by_query_groups",
+        key="--num-attention-heads (8)"),
     Bad("global batch not a whole number of micro-batches per DP rank",
-        "--global-batch-size (6)", "make --global-batch-size a multiple of --micro-batch-size x DP "
+        "--global-batch-size (6) is not a multiple of --micro-batch-size (2) x "
+            "data-parallel size (2) = 4", "make --global-batch-size a multiple of "
+                "--micro-batch-size x DP "
         "(DP = world size / (TP x PP))", "tests/test_arguments.py::"
-        "test_global_batch_not_a_multiple_of_micro_batch_times_data_parallel"),
-    Bad("sequence longer than the learned position table", "--seq-length (64)",
+        "test_global_batch_not_a_multiple_of_micro_batch_times_data_parallel",
+        key="--global-batch-size (6)"),
+    Bad("sequence longer than the learned position table", "--seq-length (64) exceeds "
+        "--max-position-embeddings (32) with learned absolute position embeddings",
         "raise --max-position-embeddings or use --position-embedding-type rope",
         "tests/test_arguments.py::"
-        "test_seq_length_above_max_position_embeddings_with_learned_positions"),
-    Bad("unknown position embedding", "--position-embedding-type",
+        "test_seq_length_above_max_position_embeddings_with_learned_positions",
+        key="--seq-length (64)"),
+    Bad("unknown position embedding", "--position-embedding-type 'alibi' is not one of "
+        "learned_absolute, rope, ...",
         "use learned_absolute or rope", "tests/test_arguments.py::"
-        "test_unknown_position_embedding_type"),
-    Bad("unknown normalization", "--normalization", "use LayerNorm or RMSNorm",
-        "tests/test_arguments.py::test_unknown_normalization"),
-    Bad("world size not a multiple of TP x PP", "world size (3)",
+        "test_unknown_position_embedding_type", key="--position-embedding-type"),
+    Bad("unknown normalization", "--normalization 'BatchNorm' is not one of LayerNorm, RMSNorm",
+        "use LayerNorm or RMSNorm",
+        "tests/test_arguments.py::test_unknown_normalization", key="--normalization"),
+    Bad("world size not a multiple of TP x PP", "world size (3) is not divisible by "
+        "--tensor-model-parallel-size (2) x --pipeline-model-parallel-size (1) = 2",
         "launch a multiple of TP x PP ranks (--nproc_per_node x nodes)",
-        "tests/test_arguments.py::test_world_size_not_divisible_by_tensor_times_pipeline_parallel"),
-    Bad("layers that do not split over the pipeline stages", "4 pipeline stages",
+        "tests/test_arguments.py::test_world_size_not_divisible_by_tensor_times_pipeline_parallel",
+        key="world size (3)"),
+    Bad("layers that do not split over the pipeline stages", "--num-layers (6) is not "
+        "divisible by 4 pipeline stages = 4; use a multiple of 4, "
+            "--decoder-first/last-pipeline-num-layers, or the balanced partition",
         "use a multiple of PP layers, --decoder-first/last-pipeline-num-layers, or "
         "--pipeline-partition balanced", "tests/test_arguments.py::"
-        "test_layers_that_do_not_split_over_pipeline_stages"),
-    Bad("first/last stage layers that leave an uneven rest", "3 remaining stages",
+        "test_layers_that_do_not_split_over_pipeline_stages", key="4 pipeline stages"),
+    Bad("first/last stage layers that leave an uneven rest", "--num-layers (10) minus "
+        "--decoder-first-pipeline-num-layers (3) leaves 7 layers, which do not split evenly "
+            "over the 3 remaining stages of --pipeline-model-parallel-size (4)",
         "choose --decoder-first/last-pipeline-num-layers so the rest splits evenly",
-        "tests/test_arguments.py::test_first_and_last_stage_layers_that_do_not_add_up"),
-    Bad("virtual stages without pipeline parallelism", "virtual pipeline stages (2 per rank)",
+        "tests/test_arguments.py::test_first_and_last_stage_layers_that_do_not_add_up",
+        key="3 remaining stages"),
+    Bad("virtual stages without pipeline parallelism", "virtual pipeline stages (2 per "
+        "rank) need --pipeline-model-parallel-size > 1",
         "virtual stages need --pipeline-model-parallel-size > 1",
-        "tests/test_arguments.py::test_virtual_stages_need_pipeline_parallelism"),
+        "tests/test_arguments.py::test_virtual_stages_need_pipeline_parallelism",
+        key="virtual pipeline stages (2 per rank)"),
     Bad("virtual stage size that does not divide the layers",
-        "--num-layers-per-virtual-pipeline-stage (2)",
+        "--num-layers (6) is not divisible by --pipeline-model-parallel-size (2) x "
+            "--num-layers-per-virtual-pipeline-stage (2)",
         "--num-layers must be a multiple of PP x --num-layers-per-virtual-pipeline-stage",
-        "tests/test_arguments.py::test_virtual_stage_size_must_divide_the_layers"),
-    Bad("interleaving with micro-batches not a multiple of PP", "micro-batches (6)",
+        "tests/test_arguments.py::test_virtual_stage_size_must_divide_the_layers",
+        key="--num-layers-per-virtual-pipeline-stage (2)"),
+    Bad("interleaving with micro-batches not a multiple of PP", "the interleaved schedule "
+        "needs the number of micro-batches (6) to be a multiple of "
+            "--pipeline-model-parallel-size (4): ... Use 4 or 8 micro-batches",
         "make global batch / (micro-batch x DP) a multiple of --pipeline-model-parallel-size",
         "tests/test_arguments.py::"
-        "test_interleaving_needs_a_multiple_of_pipeline_size_micro_batches"),
-    Bad("unknown pipeline schedule", "'zigzag'", "use 1f1b, interleaved-1f1b, gpipe, ...",
-        "tests/test_arguments.py::test_unknown_pipeline_schedule"),
+        "test_interleaving_needs_a_multiple_of_pipeline_size_micro_batches",
+        key="micro-batches (6)"),
+    Bad("unknown pipeline schedule", "pipeline schedule 'zigzag' is not one of "
+        "no-pipelining, gpipe, 1f1b, interleaved-1f1b, ...", "use 1f1b, interleaved-1f1b, "
+            "gpipe, ...",
+        "tests/test_arguments.py::test_unknown_pipeline_schedule", key="'zigzag'"),
     Bad("no dataset", "no dataset: pass --mock-data",
         "give --data-path (or --train-data-path), or --mock-data --vocab-size N",
         "tests/test_pretrain_cli.py::test_main_reports_config_errors_in_one_line"),
-    Bad("unknown flag, bad value, missing required flag", "unrecognized arguments: --no-such-flag",
+    Bad("unknown flag, bad value, missing required flag", "unrecognized arguments: "
+        "--no-such-flag 1 (--no-such-flag is not a flag)",
         "fix the spelling (the line suggests the closest flag); values must parse as the "
         "flag's type",
-        "tests/test_arguments.py::test_unknown_flag_and_bad_value_are_config_errors"),
-    Bad("out-of-range sizes, dropouts, backends", "--hidden-dropout",
+        "tests/test_arguments.py::test_unknown_flag_and_bad_value_are_config_errors",
+        key="unrecognized arguments: --no-such-flag"),
+    Bad("out-of-range sizes, dropouts, backends", "--hidden-dropout must be in [0, 1), got 1.5",
         "use a value in the range the line names", "tests/test_arguments.py::"
-        "test_out_of_range_values_name_flag_and_value"),
-    Bad("--distributed-backend nccl without CUDA", "--distributed-backend nccl",
-        "use --distributed-backend gloo on CPU", "tests/test_arguments.py::test_nccl_without_cuda"),
-    Bad("--openai-gelu with --swiglu", "--openai-gelu",
+        "test_out_of_range_values_name_flag_and_value", key="--hidden-dropout"),
+    Bad("--distributed-backend nccl without CUDA", "--distributed-backend nccl needs CUDA, "
+        "which is not available here; use gloo",
+        "use --distributed-backend gloo on CPU", "tests/test_arguments.py::test_nccl_without_cuda",
+        key="--distributed-backend nccl"),
+    Bad("--openai-gelu with --swiglu", "--openai-gelu with --swiglu: the SwiGLU MLP has no "
+        "GeLU (it uses SiLU)",
         "drop one: SwiGLU has no GeLU", "tests/test_arguments.py::"
-        "test_openai_gelu_is_a_model_field_and_refused_with_swiglu"),
-    Bad("--fp16 with --bf16", "--fp16", "pick one precision",
-        "tests/test_arguments.py::test_fp16_and_bf16_together"),
-    Bad("negative --clip-grad", "--clip-grad", "use 0 (off) or a positive norm",
-        "tests/test_arguments.py::test_negative_clip_grad"),
-    Bad("unknown optimizer", "--optimizer", "use adam or sgd",
-        "tests/test_arguments.py::test_unknown_optimizer"),
-    Bad("Adam beta out of range", "--adam-beta2", "use a value in [0, 1)",
-        "tests/test_arguments.py::test_adam_beta_out_of_range"),
+        "test_openai_gelu_is_a_model_field_and_refused_with_swiglu", key="--openai-gelu"),
+    Bad("--fp16 with --bf16", "--fp16 and --bf16 are mutually exclusive", "pick one precision",
+        "tests/test_arguments.py::test_fp16_and_bf16_together", key="--fp16"),
+    Bad("negative --clip-grad", "--clip-grad must be >= 0, got -1.0", "use 0 (off) or a "
+        "positive norm",
+        "tests/test_arguments.py::test_negative_clip_grad", key="--clip-grad"),
+    Bad("unknown optimizer", "--optimizer 'lion' is not one of adam, sgd", "use adam or sgd",
+        "tests/test_arguments.py::test_unknown_optimizer", key="--optimizer"),
+    Bad("Adam beta out of range", "--adam-beta2 must be in [0, 1), got 1.5", "use a value "
+        "in [0, 1)",
+        "tests/test_arguments.py::test_adam_beta_out_of_range", key="--adam-beta2"),
     Bad("WORLD_SIZE that is not a number", "environment variable WORLD_SIZE='two'",
         "launch with torchrun, or unset WORLD_SIZE", "tests/test_pretrain_cli.py::"
         "test_main_reports_config_errors_in_one_line"),
@@ -977,12 +1012,15 @@ def test_every_row_is_described_once() -> None:
 
 
 def troubleshooting_table() -> str:
-    """The catalogue as the README's troubleshooting rows (`| you see | what to do |`)."""
-    out = ["| you see | what to do |", "|---|---|"]
+    """The catalogue as the README's troubleshooting rows (`| you see | what to do |`), one
+    table per kind of input."""
+    out = []
     for group, rows in CATALOGUE.items():
+        out += [f"**{group}**", "", "| you see | what to do |", "|---|---|"]
         for bad in rows:
             says = bad.says.replace("|", "\\|")
-            out.append(f"| `{says}` ({bad.what}; {group}) | {bad.fix} |")
+            out.append(f"| `{says}` ({bad.what}) | {bad.fix} |")
+        out.append("")
     return "\n".join(out)
 
 
