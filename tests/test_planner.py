@@ -160,9 +160,15 @@ def test_infeasible_layouts_are_rejected_with_the_reason() -> None:
         assert model.num_layers % (layout.pp * layout.vp) == 0
         assert 12 % (layout.micro_batch * layout.dp) == 0
     wide = dataclasses.replace(SMALL, gpus_per_node=2)
-    assert "TP4" in {r.what for r in plan(model, wide, 12).rejected if r.category == "TP > node"}
+    across = {r.what for r in plan(model, wide, 12).rejected if r.category == "TP across nodes"}
+    assert "TP4" in across
     crossing = plan(model, wide, 12, PlanOptions(allow_cross_node_tp=True))
     assert any(e.layout.tp == 4 for e in crossing.ranked)
+    six = dataclasses.replace(SMALL, gpus_per_node=8, nodes=3)  # TP3 of 8: groups straddle nodes
+    twelve = ModelConfig(num_layers=6, hidden_size=384, num_attention_heads=12, vocab_size=1000,
+                         seq_length=128)  # fmt: skip
+    rejected = plan(twelve, six, 24).rejected
+    assert "TP3" in {r.what for r in rejected if r.category == "TP across nodes"}
 
 
 def test_memory_over_the_gpu_is_rejected() -> None:

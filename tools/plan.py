@@ -19,6 +19,7 @@ import sys
 from collections.abc import Sequence
 
 from megapipe.config import ModelConfig
+from megapipe.pipeline.schedules import SCHEDULE_KINDS
 from megapipe.planning.cluster import GIB, PRESETS
 from megapipe.planning.layout import RECOMPUTE_MODES
 from megapipe.planning.presets import MEGATRON_WEAK_SCALING, MODELS
@@ -192,8 +193,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     cluster = cluster.with_(**changes)
     if cluster.matmul_efficiency <= 0:
         parser.error("--matmul-efficiency must be above 0")
-    from megapipe.pipeline.schedules import SCHEDULE_KINDS
-
+    if args.memory_fraction <= 0:
+        parser.error("--memory-fraction must be above 0")
     options = PlanOptions(
         micro_batches=args.micro_batch_sizes,
         recompute=_names(args.recompute, tuple(RECOMPUTE_MODES), "--recompute", parser),
@@ -205,7 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else None,
         max_vp=args.max_vp,
         allow_cross_node_tp=args.allow_cross_node_tp,
-        memory_fraction=args.memory_fraction or 1.0,
+        memory_fraction=args.memory_fraction,
         sequence_parallel=args.sequence_parallel,
         knobs=TimeKnobs(args.tp_overlap, args.dp_overlap, half_precision=not args.fp32),
     )

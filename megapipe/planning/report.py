@@ -30,7 +30,7 @@ def memory_terms(entry: Evaluated) -> str:
         f"memory {m.total / GIB:.1f} GiB per GPU (largest: stage {m.stage}, "
         f"{m.parameters / 1e6:.0f}M parameters) = params {m.params / GIB:.1f} + grads "
         f"{m.grads / GIB:.1f} + optimizer {m.optimizer / GIB:.1f} + activations "
-        f"{m.activations / GIB:.1f} ({m.in_flight} micro-batches in flight)"
+        f"{m.activations / GIB:.1f} (micro-batches in flight: {m.in_flight})"
     )
 
 

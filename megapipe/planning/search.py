@@ -1,11 +1,11 @@
 """Enumerate layouts, reject the impossible ones with the reason, rank the rest.
 
 A layout is rejected, as a whole sub-tree where the reason is shared, when the attention heads
-or query groups do not divide by TP, TP spans more than a node (unless allowed: its all-reduces
-would leave NVLink), the layers do not divide by PP x VP, the global batch does not divide by
-micro-batch x DP, the schedule cannot run it (`schedules.validate_schedule`'s message), or its
-largest stage needs more than `memory_fraction` of the GPU's memory. The rest are ranked by
-estimated step time, then memory.
+or query groups do not divide by TP, a TP group would span two nodes (TP above, or not a
+divisor of, the GPUs per node; unless allowed: its all-reduces would leave NVLink), the layers
+do not divide by PP x VP, the global batch does not divide by micro-batch x DP, the schedule
+cannot run it (`schedules.validate_schedule`'s message), or its largest stage needs more than
+`memory_fraction` of the GPU's memory. The rest are ranked by estimated step time, then memory.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from megapipe.pipeline import schedules
 from megapipe.planning.cluster import GIB, Cluster
 from megapipe.planning.layout import RECOMPUTE_MODES, Layout
 from megapipe.planning.memory import LayoutMemory, layout_memory
-from megapipe.planning.time_model import StepTime, TimeKnobs, step_time
+from megapipe.planning.time_model import StepTime, TimeKnobs, step_time, within_node
 
 
 @dataclass(frozen=True)
@@ -134,10 +134,11 @@ def plan(
                 Rejected(f"TP{tp}", "heads % TP", f"{what} ({count}) not divisible by TP ({tp})")
             )
             continue
-        if tp > cluster.gpus_per_node and not options.allow_cross_node_tp:
-            reject(Rejected(f"TP{tp}", "TP > node",
-                            f"TP ({tp}) > GPUs per node ({cluster.gpus_per_node}): its "
-                            "all-reduces would cross nodes (--allow-cross-node-tp)"))  # fmt: skip
+        if not within_node(cluster, tp) and not options.allow_cross_node_tp:
+            reject(Rejected(f"TP{tp}", "TP across nodes",
+                            f"TP ({tp}) does not fit in or divide a node of "
+                            f"{cluster.gpus_per_node} GPUs: its all-reduces would cross nodes "
+                            "(--allow-cross-node-tp)"))  # fmt: skip
             continue
         for pp in divisors(world // tp):
             dp = world // (tp * pp)

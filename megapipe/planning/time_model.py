@@ -10,7 +10,7 @@ Assumptions (stated, each a knob or a line here):
 * TP: per layer and micro-batch 2 all-reduces of s b h activations forward and 2 backward
   (+2 with full recomputation; sequence parallelism's reduce-scatter + all-gather move the
   same bytes), plus one at the embedding and one at the output layer; a ring all-reduce over t
-  ranks takes 2 (t-1)/t x bytes / bandwidth; NVLink when the TP group fits in a node.
+  ranks takes 2 (t-1)/t x bytes / bandwidth; NVLink when the TP group lies in a node.
   `tp_overlap` of it hides behind compute (0: Megatron 2021 and megapipe do not overlap it).
 * PP: 2 (v m + p - 1) sends of s b h activations on the critical path (each forward and
   backward waits for one; the fill adds p - 1), each split over the TP ranks (Megatron's
@@ -104,20 +104,26 @@ def ring_all_reduce_seconds(nbytes: float, ranks: int, gbps: float) -> float:
     return 2 * (ranks - 1) / ranks * nbytes / (gbps * GB) if ranks > 1 else 0.0
 
 
+def within_node(cluster: Cluster, span: int) -> bool:
+    """Whether every group of `span` consecutive ranks lies in one node (ranks fill nodes in
+    order, TP fastest, then DP, then PP)."""
+    return span <= cluster.gpus_per_node and cluster.gpus_per_node % span == 0
+
+
+def _bandwidth(cluster: Cluster, span: int) -> float:
+    return cluster.intra_node_gbps if within_node(cluster, span) else cluster.inter_node_gbps
+
+
 def tp_bandwidth(cluster: Cluster, layout: Layout) -> float:
-    return (
-        cluster.intra_node_gbps if layout.tp <= cluster.gpus_per_node else cluster.inter_node_gbps
-    )
+    return _bandwidth(cluster, layout.tp)
 
 
 def dp_bandwidth(cluster: Cluster, layout: Layout) -> float:
-    inside = layout.tp * layout.dp <= cluster.gpus_per_node
-    return cluster.intra_node_gbps if inside else cluster.inter_node_gbps
+    return _bandwidth(cluster, layout.tp * layout.dp)
 
 
 def pp_bandwidth(cluster: Cluster, layout: Layout) -> float:
-    inside = layout.tp * layout.dp * layout.pp <= cluster.gpus_per_node
-    return cluster.intra_node_gbps if inside else cluster.inter_node_gbps
+    return _bandwidth(cluster, layout.tp * layout.dp * layout.pp)
 
 
 def step_time(
