@@ -45,6 +45,8 @@ from megapipe.data.indexed_builder import IndexedDatasetBuilder
 from megapipe.data.tool_cli import run_tool
 from megapipe.errors import ConfigError
 from tests.test_arguments import argv
+from tests.test_pretrain_cli import _env as pretrain_env
+from tests.test_torch_dist import _Evil, _refresh_checksums
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
@@ -713,16 +715,6 @@ ELSEWHERE_CHECKPOINTS = [
 ]  # fmt: skip
 
 
-class _Evil:
-    """Pickles to a call of os.system: what a tampered checkpoint would carry."""
-
-    def __init__(self, marker: str) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A tiny torch_dist checkpoint (one process) and a legacy per-rank file with checksums."""
@@ -737,13 +729,6 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         str(legacy), atomic_dir.fsync_and_digest(str(legacy), ["model_optim_rng.pt"])
     )
     return {"dist": dist_dir, "legacy": legacy}  # fmt: skip
-
-
-def _refresh_checksums(directory: Path) -> None:
-    """What an attacker would do: make checksums.json match the tampered files."""
-    names = [n for n in os.listdir(directory) if n != atomic_dir.CHECKSUMS_NAME]
-    os.unlink(directory / atomic_dir.CHECKSUMS_NAME)
-    atomic_dir.write_checksums(str(directory), atomic_dir.fsync_and_digest(str(directory), names))
 
 
 def _cut(path: Path, keep: float = 0.5) -> None:
@@ -850,9 +835,7 @@ def test_bad_trackers(case, tmp_path: Path) -> None:
 
 
 def _env() -> dict[str, str]:
-    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "MEGAPIPE_DEBUG")
-    env = {k: v for k, v in os.environ.items() if k not in launcher}
-    return {**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return {k: v for k, v in pretrain_env().items() if k != "MEGAPIPE_DEBUG"}
 
 
 @dataclass
