@@ -29,7 +29,12 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from gpu_training_check import fail, pretrain_stdout  # benchmarks/: the script's own folder
+from gpu_training_check import (
+    add_harness_args,
+    fail,
+    pretrain_stdout,
+    require_cuda,
+)  # benchmarks/: the script's own folder
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_JSON = str(ROOT / "benchmarks" / "out" / "gpu_mfu.json")
@@ -134,20 +139,17 @@ def print_table(rows: list[dict], title: str) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tiny", action="store_true", help="CPU harness check at a tiny size")
+    add_harness_args(parser, "CPU harness check at a tiny size", 200.0, DEFAULT_JSON)
     parser.add_argument("--iters", type=int, default=None, help="timed + warm-up (GPU 10)")
     parser.add_argument("--warmup", type=int, default=None, help="iterations not timed (GPU 4)")
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="the device's dense peak (default: from its name, bf16)")  # fmt: skip
-    parser.add_argument("--timeout", type=float, default=200.0, help="seconds for megapipe's run")
-    parser.add_argument("--json", default=DEFAULT_JSON, help="'' to skip writing")
     args = parser.parse_args(argv)
+    require_cuda(args.tiny)
     import torch
 
     from megapipe.training.flops import device_peak_tflops, flops_per_iteration
 
-    if not args.tiny and not torch.cuda.is_available():
-        fail("no CUDA device; use --tiny for the CPU harness check")
     cuda = not args.tiny
     size = TINY_SIZE if args.tiny else GPU_SIZE
     iters = args.iters or (3 if args.tiny else 10)

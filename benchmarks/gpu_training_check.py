@@ -106,6 +106,21 @@ def parse_losses(stdout: str) -> tuple[list[float], int]:
     return losses, skipped
 
 
+def add_harness_args(parser: argparse.ArgumentParser, tiny: str, timeout: float, json: str):
+    """The flags both GPU harnesses take: --tiny (the CPU check), --timeout, --json."""
+    parser.add_argument("--tiny", action="store_true", help=tiny)
+    parser.add_argument("--timeout", type=float, default=timeout, help="seconds per run")
+    parser.add_argument("--json", default=json, help="'' to skip writing")
+
+
+def require_cuda(tiny: bool) -> None:
+    """`fail` on a machine without CUDA unless this is the --tiny CPU check."""
+    import torch
+
+    if not tiny and not torch.cuda.is_available():
+        fail("no CUDA device; use --tiny for the CPU harness check")
+
+
 def pretrain_stdout(flags: list[str], timeout: float, what: str) -> str:
     """The stdout of one `python pretrain_gpt.py FLAGS` run (launcher variables cleared);
     `fail` with the run's last stderr lines if it exits non-zero or runs out of time."""
@@ -171,18 +186,14 @@ def print_table(runs: list[Run]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tiny", action="store_true", help="CPU harness check: fp32 vs fp32")
+    add_harness_args(parser, "CPU harness check: fp32 vs fp32", 150.0, DEFAULT_JSON)
     parser.add_argument("--iters", type=int, default=None, help="override the run length")
     parser.add_argument("--min-drop", type=float, default=None,
                         help="nats the loss must fall (default 1.0; --tiny 0.05)")  # fmt: skip
-    parser.add_argument("--timeout", type=float, default=150.0, help="seconds per run")
-    parser.add_argument("--json", default=DEFAULT_JSON, help="'' to skip writing")
     args = parser.parse_args(argv)
-    import torch  # after argparse: --help stays fast
+    require_cuda(args.tiny)
+    import torch
 
-    if not args.tiny and not torch.cuda.is_available():
-        print("gpu_training_check: no CUDA device; use --tiny for the CPU harness check")
-        return 2
     size = TINY_SIZE if args.tiny else GPU_SIZE
     if args.iters:
         size = Size(**dict(asdict(size), iters=args.iters))
