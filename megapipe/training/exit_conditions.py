@@ -12,6 +12,8 @@ handler: the handler runs on the main thread between bytecodes, which a rank blo
 collective never reaches, while the wakeup fd is written by the C-level handler at once. That
 is what lets a second signal (more than `DEBOUNCE_S` after the first, so the copy a launcher
 forwards does not count) end the process immediately, with status 128 + the signal's number.
+Without --exit-signal-handler, a SIGTERM (torchrun tearing the job down after a rank failed)
+ends the rank at once as before, after one line saying what it was waiting in.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import sys
 import threading
 import time
 import types
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -42,15 +44,14 @@ def signal_name(signum: int) -> str:
         return f"signal {signum}"
 
 
-class SignalCatcher:
-    """Records the first of `signums` instead of dying of it; a second one, later than
-    DEBOUNCE_S, exits at once. Restores the previous handlers on close."""
+class _SignalThread:
+    """Calls `on_signal(signum)` on a thread as soon as one of `signums` arrives (through the
+    wakeup fd; from the Python-level handler when this is not the main thread). Restores the
+    previous handlers and wakeup fd on close."""
 
-    def __init__(self, signums: Iterable[int] = (signal.SIGTERM, signal.SIGINT)) -> None:
+    def __init__(self, signums: Iterable[int], on_signal: Callable[[int], None]) -> None:
         self.signums = tuple(dict.fromkeys(int(s) for s in signums))
-        self.received: int | None = None  # the first signal's number
-        self._first_at = 0.0
-        self._lock = threading.Lock()
+        self.on_signal = on_signal
         self._previous = {s: signal.signal(s, self._handle) for s in self.signums}
         self._old_wakeup: int | None = None
         self._pipe: tuple[int, int] | None = None
@@ -69,30 +70,14 @@ class SignalCatcher:
 
     def _handle(self, signum: int, frame: types.FrameType | None) -> None:
         if self._thread is None:
-            self.note(signum)
+            self.on_signal(signum)
 
     def _watch(self) -> None:
         assert self._pipe is not None
         while data := os.read(self._pipe[0], 64):
             for signum in data:
                 if signum in self.signums:
-                    self.note(signum)
-
-    def note(self, signum: int) -> None:
-        """A signal arrived: the first asks to stop after this iteration, a later one exits."""
-        with self._lock:
-            now = time.monotonic()
-            if self.received is None:
-                self.received, self._first_at = signum, now
-                sys.stderr.write(
-                    f"received {signal_name(signum)}: stopping after this iteration, with a "
-                    "checkpoint when --save is set (a second signal exits at once)\n"
-                )
-                sys.stderr.flush()
-            elif now - self._first_at > DEBOUNCE_S:
-                sys.stderr.write(f"received {signal_name(signum)} again: exiting at once\n")
-                sys.stderr.flush()
-                os._exit(128 + signum)
+                    self.on_signal(signum)
 
     def close(self) -> None:
         for signum, previous in self._previous.items():
@@ -107,6 +92,59 @@ class SignalCatcher:
             self._pipe = None
 
 
+class SignalCatcher:
+    """Records the first of `signums` instead of dying of it; a second one, later than
+    DEBOUNCE_S, exits at once. Restores the previous handlers on close."""
+
+    def __init__(self, signums: Iterable[int] = (signal.SIGTERM, signal.SIGINT)) -> None:
+        self.received: int | None = None  # the first signal's number
+        self._first_at = 0.0
+        self._lock = threading.Lock()
+        self._thread = _SignalThread(signums, self.note)
+
+    def note(self, signum: int) -> None:
+        """A signal arrived: the first asks to stop after this iteration, a later one exits."""
+        with self._lock:
+            now = time.monotonic()
+            if self.received is None:
+                self.received, self._first_at = signum, now
+                _say(
+                    f"received {signal_name(signum)}: stopping after this iteration, with a "
+                    "checkpoint when --save is set (a second signal exits at once)"
+                )
+            elif now - self._first_at > DEBOUNCE_S:
+                _say(f"received {signal_name(signum)} again: exiting at once")
+                os._exit(128 + signum)
+
+    def close(self) -> None:
+        self._thread.close()
+
+
+class TeardownReport:
+    """Without --exit-signal-handler: a SIGTERM (torchrun stopping the job because another
+    rank failed) still ends the rank at once, after one line saying where it was."""
+
+    def __init__(self, activity: Activity) -> None:
+        self.activity = activity
+        self._thread = _SignalThread((signal.SIGTERM,), self._report)
+
+    def _report(self, signum: int) -> None:
+        _say(
+            f"megapipe: {self.activity.where()}: terminated by {signal_name(signum)} (the "
+            "launcher stopping the job, e.g. after another rank failed)"
+        )
+        os._exit(128 + signum)
+
+    def close(self) -> None:
+        self._thread.close()
+
+
+def _say(line: str) -> None:
+    sys.stdout.flush()
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 @dataclass
 class ExitCheck:
     """Decides, identically on every rank, whether to stop after an iteration."""
@@ -114,16 +152,18 @@ class ExitCheck:
     training: TrainingConfig
     state: ParallelState
     start_time: float
-    catcher: SignalCatcher | None = None
+    catcher: SignalCatcher | TeardownReport | None = None
     activity: Activity | None = None
 
     @classmethod
     def start(
         cls, training: TrainingConfig, state: ParallelState, activity: Activity | None = None
     ) -> ExitCheck:
-        catcher = None
+        catcher: SignalCatcher | TeardownReport | None = None
         if training.exit_signal_handler:
             catcher = SignalCatcher((signal.SIGTERM, signal.SIGINT, training.exit_signal))
+        elif activity is not None:
+            catcher = TeardownReport(activity)
         return cls(training, state, time.monotonic(), catcher, activity)
 
     def reason(self, iteration: int) -> str | None:
@@ -131,11 +171,12 @@ class ExitCheck:
         duration or signal flags are set: call it on every rank after every iteration."""
         training = self.training
         received, duration = 0, False
-        if self.catcher is not None or training.exit_duration_in_mins is not None:
+        catcher = self.catcher if isinstance(self.catcher, SignalCatcher) else None
+        if catcher is not None or training.exit_duration_in_mins is not None:
             minutes = (time.monotonic() - self.start_time) / 60.0
             flags = torch.tensor(
                 [
-                    float(self.catcher.received or 0) if self.catcher is not None else 0.0,
+                    float(catcher.received or 0) if catcher is not None else 0.0,
                     float(
                         training.exit_duration_in_mins is not None
                         and minutes > training.exit_duration_in_mins

@@ -92,7 +92,8 @@ class FaultPlan:
             return
         sys.stdout.flush()
         sys.stderr.write(
-            f"{ENV_VAR}: {fault.action} rank {fault.rank} at {moment} of iteration {iteration}\n"
+            f"{ENV_VAR}: {fault.action} rank {fault.rank} at {moment} of iteration {iteration} "
+            f"(pid {os.getpid()})\n"
         )
         sys.stderr.flush()
         os.kill(os.getpid(), ACTIONS[fault.action])
