@@ -13,6 +13,9 @@ layers against the local model, and FP8 training on a GPU with FP8 tensor cores.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import enum
 import importlib.util
 import math
 import sys
@@ -351,14 +354,47 @@ class _StubLayerNormLinear(_StubLinear):
         return self._linear(x)
 
 
+class _StubFormat(enum.Enum):
+    E4M3 = "e4m3"
+    HYBRID = "hybrid"
+
+
+@dataclasses.dataclass
+class _StubDelayedScaling:
+    """TE's documented DelayedScaling fields (reduce_amax: TE >= 1.x)."""
+
+    margin: int = 0
+    fp8_format: _StubFormat = _StubFormat.HYBRID
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"
+    reduce_amax: bool = True
+
+
+AUTOCASTS: list[tuple] = []  # (recipe, group) of each autocast a forward runs under
+
+
+@contextlib.contextmanager
+def _stub_autocast(enabled, recipe, amax_reduction_group):
+    assert enabled
+    AUTOCASTS.append((recipe, amax_reduction_group))
+    yield
+
+
 @pytest.fixture
 def stub_te(monkeypatch):
     package = types.ModuleType("transformer_engine")
     module = types.ModuleType("transformer_engine.pytorch")
     module.Linear, module.LayerNormLinear = _StubLinear, _StubLayerNormLinear
-    package.pytorch = module
-    monkeypatch.setitem(sys.modules, "transformer_engine", package)
-    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", module)
+    module.autocast = _stub_autocast
+    common = types.ModuleType("transformer_engine.common")
+    recipe = types.ModuleType("transformer_engine.common.recipe")
+    recipe.Format, recipe.DelayedScaling = _StubFormat, _StubDelayedScaling
+    package.pytorch, package.common, common.recipe = module, common, recipe
+    for name, value in (("transformer_engine", package), ("transformer_engine.pytorch", module),
+                        ("transformer_engine.common", common),
+                        ("transformer_engine.common.recipe", recipe)):  # fmt: skip
+        monkeypatch.setitem(sys.modules, name, value)
+    AUTOCASTS.clear()
 
 
 REFERENCE = KernelChoices("cpu", {op: "reference" for op in IMPLEMENTATIONS}, {}, IMPLEMENTATIONS)
@@ -474,3 +510,30 @@ def test_fp8_training_steps_lower_the_loss() -> None:
         optimizer.zero_grad()
         losses.append(loss.item())
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0] - 0.1, losses
+
+
+def test_fp8_runs_every_te_module_under_autocast_with_the_flags_recipe(stub_te) -> None:
+    config = ModelConfig(**GPT2)
+    kernels = KernelConfig(transformer_impl="transformer_engine", fp8_format="e4m3",
+                           fp8_margin=2, fp8_amax_history_len=16,
+                           fp8_amax_compute_algo="most_recent")  # fmt: skip
+    model = GPTModel(config, ParallelState.single(), RNGTracker(5), seed=5, kernels=kernels,
+                     kernel_choices=REFERENCE)  # fmt: skip
+    tokens = torch.randint(50, (2, 8), generator=torch.Generator().manual_seed(0))
+    model(tokens=tokens, labels=tokens)
+    assert len(AUTOCASTS) == 4 * config.num_layers  # each TE module's forward, once
+    recipe, group = AUTOCASTS[0]
+    assert recipe == _StubDelayedScaling(
+        margin=2,
+        fp8_format=_StubFormat.E4M3,
+        amax_history_len=16,
+        amax_compute_algo="most_recent",
+        reduce_amax=False,
+    )  # one TP rank: no amax all-reduce
+    assert group is None
+    plain = GPTModel(config, ParallelState.single(), RNGTracker(5), seed=5,
+                     kernels=KernelConfig(transformer_impl="transformer_engine"),
+                     kernel_choices=REFERENCE)  # fmt: skip
+    AUTOCASTS.clear()
+    plain(tokens=tokens, labels=tokens)
+    assert AUTOCASTS == []  # no --fp8-format: no autocast
