@@ -9,5 +9,8 @@ what runs on CPU) beside its fused implementations:
 
 availability.py probes Triton, apex, TransformerEngine and flash_attn at run time (importing
 megapipe never needs them); dispatch.py chooses each op's implementation from the flags, the
-device and what is installed. Triton kernels live in triton_ops/, imported on first use.
+device and what is installed. Triton kernels live in triton_ops/, imported on first use;
+norm_backends.py holds the norms' apex and TE rows; transformer_engine.py decides whether TE
+and FP8 may run and builds FP8's recipe and autocast (the TE layers: model/te_layers.py);
+cases.py builds each op's inputs for the benchmark and the CUDA tests.
 """
