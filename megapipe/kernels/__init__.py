@@ -5,7 +5,7 @@ what runs on CPU) beside its fused implementations:
 - bias_dropout_add: residual + dropout(x + bias) with a given keep-mask;
 - swiglu: silu(gate) * up of fc1's [gate; up];
 - rotary: rotate-half rotary embedding with a position offset;
-- layer_norm, rms_norm, masked_softmax, cross_entropy: as their modules land.
+- layer_norm, rms_norm (apex and TE rows too), masked_softmax, cross_entropy.
 
 availability.py probes Triton, apex, TransformerEngine and flash_attn at run time (importing
 megapipe never needs them); dispatch.py chooses each op's implementation from the flags, the
