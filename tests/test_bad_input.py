@@ -183,6 +183,23 @@ ELSEWHERE_FLAGS = [
     Bad("Adam beta out of range", "--adam-beta2 must be in [0, 1), got 1.5", "use a value "
         "in [0, 1)",
         "tests/test_arguments.py::test_adam_beta_out_of_range", key="--adam-beta2"),
+    Bad("--fp8-format without --transformer-impl transformer_engine", "--fp8-format hybrid "
+        "needs --transformer-impl transformer_engine", "FP8 GEMMs are TransformerEngine's: add "
+        "--transformer-impl transformer_engine (on a GPU)", "tests/test_transformer_engine.py::"
+        "test_fp8_without_transformer_engine_is_refused_at_parse_time"),
+    Bad("--fp8-format on a GPU below compute capability 8.9", "--fp8-format e4m3: FP8 needs a "
+        "GPU of compute capability >= 8.9", "drop --fp8-format on A100 and older (bf16 instead)",
+        "tests/test_transformer_engine.py::test_fp8_needs_compute_capability_8_9", key="8.9"),
+    Bad("--fp8-amax-history-len 0", "--fp8-amax-history-len 0: must be at least 1",
+        "use 1 or more (Megatron's default 1024)", "tests/test_transformer_engine.py::"
+        "test_fp8_without_transformer_engine_is_refused_at_parse_time",
+        key="--fp8-amax-history-len 0"),
+    Bad("a negative --fp8-margin", "--fp8-margin -1: must be >= 0", "use 0 or more",
+        "tests/test_transformer_engine.py::"
+        "test_unknown_fp8_format_and_bad_recipe_values_are_named", key="--fp8-margin"),
+    Bad("a MEGAPIPE_FAULT plan that does not parse", "expected action:moment:iteration:rank",
+        "write kill|stop:moment:iteration:rank[@attempt] (a testing aid; unset it to train)",
+        "tests/test_auto_resume.py::test_fault_plans_parse_and_refuse_by_name"),
     Bad("WORLD_SIZE that is not a number", "environment variable WORLD_SIZE='two'",
         "launch with torchrun, or unset WORLD_SIZE", "tests/test_pretrain_cli.py::"
         "test_main_reports_config_errors_in_one_line"),
@@ -197,6 +214,17 @@ ELSEWHERE_FLAGS = [
 
 B = Bad
 FLAG_CASES: list[tuple[Bad, dict, list[str], int]] = [
+    (B("--spiky-loss-factor 0", "--spiky-loss-factor must be positive, got 0.0",
+       "use a factor above 1 (a loss that many times the running average is a spike)"),
+     {"spiky_loss_factor": 0}, [], 1),
+    (B("--overlap-param-gather without the distributed optimizer", "--overlap-param-gather "
+       "requires --use-distributed-optimizer", "add --use-distributed-optimizer (or drop it)"),
+     {"overlap_param_gather": True}, [], 1),
+    (B("a negative watchdog bound", "argument --watchdog-min-seconds: '-1' is not a "
+       "non-negative number", "use seconds >= 0"), {"watchdog_min_seconds": -1}, [], 1),
+    (B("an --exit-signal that is not a signal", "argument --exit-signal: 'SIGFOO' is not a "
+       "signal that can be caught", "use a name like SIGUSR1 or USR1, or a number"),
+     {"exit_signal": "SIGFOO"}, [], 1),
     (B("mock data without a vocabulary size", "--mock-data needs --vocab-size (or "
        "--tokenizer-type, whose vocabulary size is used)", "add --vocab-size N (or a tokenizer)"),
      {"vocab_size": None}, [], 1),
