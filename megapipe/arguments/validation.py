@@ -49,7 +49,16 @@ def _divisible(numerator: tuple[str, int], denominator: tuple[str, int]) -> None
     _require(n % d == 0, f"{n_name} ({n}) must be divisible by {d_name} ({d})")
 
 
+# Far beyond any trained model; the per-layer plans (stage maps, recompute lists) stay cheap.
+MAX_NUM_LAYERS = 100_000
+
+
 def validate_model(model: ModelConfig) -> None:
+    _require(
+        model.num_layers <= MAX_NUM_LAYERS,
+        f"--num-layers ({model.num_layers}) exceeds {MAX_NUM_LAYERS:,}, far beyond any model "
+        "that trains",
+    )
     _positive(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
