@@ -96,7 +96,9 @@ def fp8_recipe_kwargs(settings: Any) -> dict[str, Any] | None:
 def fp8_recipe(kwargs: dict[str, Any], *, reduce_amax: bool = True) -> Any:
     """TE's DelayedScaling recipe from `fp8_recipe_kwargs` (imports TransformerEngine).
     reduce_amax False: no amax all-reduce (one TP rank: the default group would be the whole
-    world, which pipeline stages with different layers must not reduce over together)."""
+    world, which pipeline stages with different layers must not reduce over together). A TE
+    whose DelayedScaling has no reduce_amax field always reduces; at TP=1 with PP>1 that is
+    the world group (untested: no GPU has run this yet)."""
     from transformer_engine.common import recipe
 
     values = dict(kwargs, fp8_format=getattr(recipe.Format, kwargs["fp8_format"]))
