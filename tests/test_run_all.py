@@ -1,0 +1,89 @@
+"""benchmarks/run_all.py's report: headlines read from the benchmarks' JSON, verdicts against
+targets, the generated section replaced in place with the hand-written text around it kept, a
+failed benchmark reported instead of hidden, and real PNG plots. (The benchmarks themselves
+are not run here: each has its own harness test or quick mode.)"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture()
+def run_all(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    spec = importlib.util.spec_from_file_location("run_all", ROOT / "benchmarks" / "run_all.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "run_all", module)  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    # The report's files go to a scratch copy of benchmarks/, never the repository's.
+    monkeypatch.setattr(module, "OUT", tmp_path / "out")
+    monkeypatch.setattr(module, "PLOTS", tmp_path / "plots")
+    monkeypatch.setattr(module, "RESULTS", tmp_path / "RESULTS.md")
+    (tmp_path / "out").mkdir()
+    return module
+
+
+def _write(run_all, name: str, data: dict) -> None:
+    (run_all.OUT / f"run_all_{name}.json").write_text(json.dumps(data))
+
+
+def test_headlines_and_verdicts_come_from_each_benchmarks_json(run_all) -> None:
+    _write(run_all, "step", {"median_ratio": 1.01, "target": 1.03})
+    layouts = [{"layout": "TP1", "median_ratio": 0.75}, {"layout": "TP2", "median_ratio": 0.91}]
+    _write(run_all, "megatron_core", {"target": 0.8, "layouts": layouts})
+    _write(run_all, "pipeline", {"variants": {
+        "megapipe-1f1b": {"of_bound": 0.97, "ratio_to_torch": 0.98, "ratio_to_torch_1f1b": 0.98},
+        "megapipe-zero-bubble-h1": {"of_bound": 0.9, "ratio_to_torch_1f1b": 0.85},
+        "torch-1f1b": {"of_bound": 0.92}}})  # fmt: skip
+    headlines, problems = run_all.collect({})
+    got = {(h.benchmark, h.what): (round(h.ratio, 3), h.verdict) for h in headlines}
+    assert got[("bench_step", next(w for b, w in got if b == "bench_step"))] == (1.01, "met")
+    mcore = [v for (b, _), v in got.items() if b == "bench_megatron_core"]
+    assert mcore == [(0.75, "met"), (0.91, "NOT met")]
+    pipeline = {w: v for (b, w), v in got.items() if b == "bench_pipeline"}
+    assert pipeline["megapipe-1f1b: efficiency / schedule bound"] == (0.97, "met")
+    assert pipeline["megapipe-zero-bubble-h1: efficiency / schedule bound"] == (0.9, "NOT met")
+    assert pipeline["megapipe-zero-bubble-h1 / torch's 1F1B"] == (0.85, "met")
+    assert not any(w.startswith("torch-") for w in pipeline)  # torch's rows are the baseline
+    assert [p.split(":")[0] for p in problems] == ["data_parallel", "planner"]  # no JSON yet
+
+
+def test_a_failed_or_reshaped_benchmark_is_reported_not_hidden(run_all) -> None:
+    _write(run_all, "step", {"unexpected": 1})
+    runs = {"pipeline": {"status": "timed out after 240 s", "seconds": 240.0}}
+    headlines, problems = run_all.collect(runs)
+    assert headlines == []
+    assert "step: its JSON lacks 'median_ratio' (format changed?)" in problems
+    assert "pipeline: timed out after 240 s" in problems
+
+
+def test_the_section_is_replaced_in_place_and_the_rest_kept(run_all) -> None:
+    run_all.RESULTS.write_text("# Benchmark results\n\nhand-written intro\n\n## bench_x\nnotes\n")
+    first = run_all.section([run_all.Headline("bench_step", "a", 1.5, 1.03)], [], {}, [])
+    run_all.write_section(first)
+    text = run_all.RESULTS.read_text()
+    assert text.startswith("# Benchmark results\n\n" + run_all.BEGIN)
+    assert "| bench_step | a | 1.500 | <= 1.03 | NOT met |" in text
+    second = run_all.section([run_all.Headline("bench_step", "a", 0.9, 1.03)], [], {}, [])
+    run_all.write_section(second)
+    text = run_all.RESULTS.read_text()
+    assert text.count(run_all.BEGIN) == 1 and "1.500" not in text and "0.900" in text
+    assert text.endswith("hand-written intro\n\n## bench_x\nnotes\n")
+
+
+def test_plots_are_real_pngs_one_per_benchmark(run_all) -> None:
+    headlines = [
+        run_all.Headline("bench_step", "a", 1.01, 1.03),
+        run_all.Headline("bench_pipeline", "b", 0.97, 0.95, higher=True),
+        run_all.Headline("bench_pipeline", "c", 0.9, None),
+    ]
+    paths = run_all.plot(headlines)
+    assert [p.name for p in paths] == ["bench_step.png", "bench_pipeline.png"]
+    for path in paths:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
