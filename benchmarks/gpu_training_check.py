@@ -6,6 +6,8 @@ The checks, per precision: every iteration logged a finite loss, the loss fell (
 first by `--min-drop` nats), no iteration was skipped for an fp16 overflow, and each
 iteration's loss is within the precision's relative tolerance of fp32's at that iteration
 (bf16 5e-2, fp16 2e-2: their rounding compounds over the steps; fp32 against fp32 1e-5).
+Where TransformerEngine is installed, bf16 with --transformer-impl transformer_engine runs too
+(5e-2), and on a GPU of compute capability 8.9+ also with --fp8-format hybrid (1e-1).
 
     python benchmarks/gpu_training_check.py            # CUDA: fp32, bf16, fp16 (~1 minute)
     python benchmarks/gpu_training_check.py --tiny     # CPU: the harness at a tiny size, fp32
@@ -18,6 +20,7 @@ none); exits 1 if a check failed, 2 (one line on stderr) if a run could not star
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
 import re
@@ -37,11 +40,14 @@ def fail(message: str) -> None:
     raise SystemExit(2)
 
 
-TOLERANCE = {"fp32": 1e-5, "bf16": 5e-2, "fp16": 2e-2}
+TOLERANCE = {"fp32": 1e-5, "bf16": 5e-2, "fp16": 2e-2, "te-bf16": 5e-2, "te-fp8": 1e-1}
+TE = ["--transformer-impl", "transformer_engine"]
 PRECISION_FLAGS = {
     "fp32": [],
     "bf16": ["--bf16"],
     "fp16": ["--fp16", "--initial-loss-scale", "4096"],
+    "te-bf16": ["--bf16", *TE],  # TransformerEngine's layers (when installed)
+    "te-fp8": ["--bf16", *TE, "--fp8-format", "hybrid"],  # and FP8 (compute capability 8.9+)
 }
 LOSS_LINE = re.compile(
     r"^ iteration +(\d+)/ *\d+ \|.*\| lm loss: (\S+) \|.*"
@@ -200,6 +206,10 @@ def main(argv: list[str] | None = None) -> int:
     min_drop = args.min_drop if args.min_drop is not None else (0.05 if args.tiny else 1.0)
     plan = [("fp32", "fp32"), ("fp32-repeat", "fp32")] if args.tiny else [
         ("fp32", "fp32"), ("bf16", "bf16"), ("fp16", "fp16")]  # fmt: skip
+    if not args.tiny and importlib.util.find_spec("transformer_engine") is not None:
+        plan.append(("te-bf16", "te-bf16"))
+        if torch.cuda.get_device_capability() >= (8, 9):
+            plan.append(("te-fp8", "te-fp8"))
     # One GPU: one run at a time. The CPU check runs its two side by side (CI's wall time).
     with ThreadPoolExecutor(len(plan) if args.tiny else 1) as pool:
         results = list(pool.map(lambda p: train(size, p[1], args.timeout), plan))

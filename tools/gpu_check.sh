@@ -3,13 +3,14 @@
 #
 #   bash tools/gpu_check.sh            # from anywhere; ~4-5 minutes on one H200
 #
-# Parts (each under its own `timeout`; the caps add up to 350 s, under 6 minutes; a part cut
-# off by its cap is a TIMEOUT, and a rerun finds Triton's kernel cache warm):
+# Parts (each under its own `timeout`; the caps add up to 370 s, about 6 minutes, and the parts
+# should take 4-5; a part cut off by its cap is a TIMEOUT, and a rerun finds Triton's cache warm):
 #   kernels   tests/test_kernels_cuda.py: every fused kernel (Triton, apex, TE) against an fp64
 #             reference in fp32, bf16 and fp16, forward and backward (a NaN never passes); plus
 #             tests/test_transformer_engine.py (its TE cases run when TE is installed)
 #   training  benchmarks/gpu_training_check.py: a small GPT trained with pretrain_gpt.py in
-#             fp32, bf16 and fp16: losses fall and stay within each precision's tolerance of fp32
+#             fp32, bf16 and fp16 (and TE bf16 / TE FP8 where TE is installed): losses fall and
+#             stay within each precision's tolerance of fp32
 #   mfu       benchmarks/bench_gpu_mfu.py: a ~1.3B GPT (24 x 2048, 16 heads, seq 2048, bf16,
 #             flash attention, fused kernels) against a plain-PyTorch GPT of the same math
 #   bench     benchmarks/bench_kernels.py: each fused op's speed-up over its reference
@@ -60,8 +61,8 @@ part kernels 110 "$PYTHON" -m pytest -o addopts= -q -rfs -p no:cacheprovider \
     tests/test_kernels_cuda.py tests/test_transformer_engine.py
 DETAILS+=("$(grep -E '[0-9]+ (passed|failed|skipped|error)' "$OUT/kernels.log" | tail -n 1)")
 
-part training 80 "$PYTHON" benchmarks/gpu_training_check.py --json "$OUT/gpu_training_check.json"
-DETAILS+=("$(grep -E '^(bf16|fp16) ' "$OUT/training.log" | awk '{print $1 " " $4 " vs fp32"}' | paste -sd ';' -)")
+part training 100 "$PYTHON" benchmarks/gpu_training_check.py --json "$OUT/gpu_training_check.json"
+DETAILS+=("$(grep -E '^(bf16|fp16|te-bf16|te-fp8) ' "$OUT/training.log" | awk '{print $1 " " $4 " vs fp32"}' | paste -sd ';' -)")
 
 part mfu 120 "$PYTHON" benchmarks/bench_gpu_mfu.py --json "$OUT/gpu_mfu.json"
 DETAILS+=("$(grep -E '^(megapipe|plain)' "$OUT/mfu.log" | awk '{print $1 " MFU " $(NF-1) " " $NF}' | paste -sd ';' -)")
