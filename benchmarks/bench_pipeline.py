@@ -1,4 +1,4 @@
-"""Pipeline benchmark: megapipe's 1F1B and interleaved executors against torch's pipelining.
+"""Pipeline benchmark: megapipe's 1F1B, interleaved and zero-bubble executors against torch's.
 
 PP=2 on the CPU (gloo, one forked process per rank, one intra-op thread each) with m
 micro-batches of the same small GPT (untied embeddings, dropout 0), split the same way for
@@ -6,16 +6,21 @@ every variant: each rank holds the same layers (and with v=2 chunks, the same ch
 Variants, all in one run:
 
 - single: one process with all layers, gradient accumulation over the m micro-batches;
-- megapipe-1f1b / megapipe-interleaved: megapipe's PipelineExecutor (v=1 / v=2);
-- torch-1f1b / torch-interleaved: torch.distributed.pipelining's PipelineStage with
-  Schedule1F1B / ScheduleInterleaved1F1B, on the same GPTModel chunks and the same loss.
+- megapipe-1f1b / -interleaved / -zero-bubble / -interleaved-zb: megapipe's PipelineExecutor
+  (1f1b, interleaved-1f1b with v=2, zero-bubble-h1, interleaved-zero-bubble with v=2), each also
+  `-ahead`: with receives posted one unit ahead (`build_schedule(..., post_ahead=True)`);
+- torch-1f1b / -interleaved / -zero-bubble / -interleaved-zb: torch.distributed.pipelining's
+  PipelineStage with Schedule1F1B / ScheduleInterleaved1F1B / ScheduleInterleavedZeroBubble (one
+  stage per rank: its ZB1P, i.e. ZB-H1) / ScheduleInterleavedZeroBubble (two), on the same
+  GPTModel chunks and the same loss.
 
 One step is the forward and backward of all m micro-batches plus a torch.optim.Adam step and
 zero_grad (the same loss scaling everywhere: each micro-batch's mean loss / m). After warm-up,
 variants are timed in rounds whose order rotates, so drifts of a noisy machine hit all alike;
 a round's pipeline time is the slowest rank's. Medians over rounds are reported, with
 efficiency = single / (p x pipeline step) beside the bubble bound m/(m+p-1) (1F1B) or
-v*m/(v*m+p-1) (interleaved).
+v*m/(v*m+p-1) (interleaved), and for the zero-bubble kinds 1 / (1 + the simulated bubble) under
+the paper's cost model F = B = W (ZB-H1: 3m/(3m+p-1)).
 
     python benchmarks/bench_pipeline.py            # full run, about 2-3 minutes on 2 cores
     python benchmarks/bench_pipeline.py --quick    # a smoke test, too short to trust
@@ -45,17 +50,22 @@ from megapipe.pipeline.executor import PipelineExecutor
 from megapipe.pipeline.model_chunks import activation_shape, build_model_chunks
 from megapipe.pipeline.partition import partition_layers
 from megapipe.pipeline.schedules import build_schedule
+from megapipe.pipeline.timeline import theoretical_efficiency
 from megapipe.testing import run_distributed
 
 PP = 2
 SEED = 1234
+KINDS = {  # variant suffix -> (megapipe schedule, chunks per rank)
+    "1f1b": ("1f1b", 1),
+    "interleaved": ("interleaved-1f1b", 2),
+    "zero-bubble": ("zero-bubble-h1", 1),
+    "interleaved-zb": ("interleaved-zero-bubble", 2),
+}
 VARIANTS = (
     "single",
     "single-x2",
-    "megapipe-1f1b",
-    "megapipe-interleaved",
-    "torch-1f1b",
-    "torch-interleaved",
+    *(f"megapipe-{k}{ahead}" for k in KINDS for ahead in ("", "-ahead")),
+    *(f"torch-{k}" for k in KINDS),
 )
 PIPELINES = VARIANTS[2:]
 DEFAULT_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "pipeline.json")
@@ -120,15 +130,19 @@ def _chunks(args: argparse.Namespace, state: ParallelState, v: int) -> list[GPTM
 
 
 def megapipe_step(
-    args: argparse.Namespace, batch: TrainingBatch, state: ParallelState, v: int
+    args: argparse.Namespace,
+    batch: TrainingBatch,
+    state: ParallelState,
+    kind: str,
+    v: int,
+    post_ahead: bool = False,
 ) -> Step:
     chunks = _chunks(args, state, v)
-    kind = "1f1b" if v == 1 else "interleaved-1f1b"
     m = args.microbatches
     executor = PipelineExecutor(
         chunks,
         state,
-        build_schedule(kind, PP, v, m, state.pp_rank),
+        build_schedule(kind, PP, v, m, state.pp_rank, post_ahead=post_ahead),
         num_microbatches=m,
         activation_shape=activation_shape(model_config(args), args.micro_batch, 1, False),
     )
@@ -156,12 +170,13 @@ class StageModule(torch.nn.Module):
 
 
 def torch_step(
-    args: argparse.Namespace, batch: TrainingBatch, state: ParallelState, v: int
+    args: argparse.Namespace, batch: TrainingBatch, state: ParallelState, kind: str, v: int
 ) -> Step:
     from torch.distributed.pipelining import (
         PipelineStage,
         Schedule1F1B,
         ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
     )
 
     m = args.microbatches
@@ -182,7 +197,9 @@ def torch_step(
         per_token = vocab_parallel_cross_entropy(logits, labels.t(), Group.single(), 0, args.vocab)
         return masked_mean(per_token.t(), torch.ones_like(labels, dtype=torch.float32)) / m
 
-    if v == 1:
+    if kind in ("zero-bubble-h1", "interleaved-zero-bubble"):
+        schedule = ScheduleInterleavedZeroBubble(stages, m, loss_fn=loss_fn, scale_grads=False)
+    elif v == 1:
         schedule = Schedule1F1B(stages[0], m, loss_fn=loss_fn, scale_grads=False)
     else:
         schedule = ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn, scale_grads=False)
@@ -203,14 +220,15 @@ def torch_step(
 def _build_steps(args: argparse.Namespace, state: ParallelState) -> dict[str, Step | None]:
     batch = global_batch(args)
     single = single_step(args, batch)
-    return {
+    steps: dict[str, Step | None] = {
         "single": single if state.pp_rank == 0 else None,
         "single-x2": single,  # every rank at once: how well this machine runs 2 processes
-        "megapipe-1f1b": megapipe_step(args, batch, state, 1),
-        "megapipe-interleaved": megapipe_step(args, batch, state, 2),
-        "torch-1f1b": torch_step(args, batch, state, 1),
-        "torch-interleaved": torch_step(args, batch, state, 2),
     }
+    for name, (kind, v) in KINDS.items():
+        steps[f"megapipe-{name}"] = megapipe_step(args, batch, state, kind, v)
+        steps[f"megapipe-{name}-ahead"] = megapipe_step(args, batch, state, kind, v, True)
+        steps[f"torch-{name}"] = torch_step(args, batch, state, kind, v)
+    return steps
 
 
 def _system_busy_s() -> float | None:
@@ -251,11 +269,17 @@ def _timed(step: Step | None, n: int, pause_s: float = 0.0) -> tuple[float, floa
 
 
 def _wait_for_quiet(args: argparse.Namespace) -> None:
-    """Sample other processes' load until it is below --quiet-cores or --max-wait passes."""
+    """Sample other processes' load until it is below --quiet-cores or --max-wait passes.
+
+    Rank 0 decides (and broadcasts) when to stop, so that every rank leaves the loop after the
+    same sample: ranks deciding by their own clocks could part ways and hang in a collective.
+    """
     deadline = time.monotonic() + args.max_wait
-    while time.monotonic() < deadline:
-        load = _timed(None, 0, pause_s=0.3)[1]
-        if not load > args.quiet_cores:  # NaN (cannot tell) counts as quiet
+    while True:
+        load = _timed(None, 0, pause_s=0.3)[1]  # NaN (cannot tell) counts as quiet
+        waiting = torch.tensor([float(load > args.quiet_cores and time.monotonic() < deadline)])
+        dist.broadcast(waiting, src=0)
+        if not waiting.item():
             return
         time.sleep(0.5)
 
@@ -302,8 +326,8 @@ def summarize(args: argparse.Namespace, per_rank: list[dict]) -> dict:
     m, single = args.microbatches, median["single"]
     rows = {}
     for name in PIPELINES:
-        v = 2 if name.endswith("interleaved") else 1
-        bound = v * m / (v * m + PP - 1)
+        kind, v = KINDS[name.split("-", 1)[1].removesuffix("-ahead")]
+        bound = theoretical_efficiency(PP, v, m, kind)
         efficiency = single / (PP * median[name])
         rows[name] = {
             "step_ms": median[name] * 1e3,
@@ -313,11 +337,11 @@ def summarize(args: argparse.Namespace, per_rank: list[dict]) -> dict:
             "efficiency_vs_single_x2": median["single-x2"] / (PP * median[name]),
             "clean_rounds": clean[name],
         }
-    for ours, theirs in (
-        ("megapipe-1f1b", "torch-1f1b"),
-        ("megapipe-interleaved", "torch-interleaved"),
-    ):
-        rows[ours]["ratio_to_torch"] = median[ours] / median[theirs]
+    for name in PIPELINES:
+        if name.startswith("megapipe-"):
+            theirs = "torch-" + name.split("-", 1)[1].removesuffix("-ahead")
+            rows[name]["ratio_to_torch"] = median[name] / median[theirs]
+            rows[name]["ratio_to_torch_1f1b"] = median[name] / median["torch-1f1b"]
     return {
         "single_ms": single * 1e3,
         "single_x2_ms": median["single-x2"] * 1e3,
@@ -342,17 +366,26 @@ def print_table(args: argparse.Namespace, summary: dict) -> None:
         f"{summary['machine_scaling']:.3f}; 1.0 = two cores as fast as one)"
     )
     print(
-        f"{'variant':<22}{'step ms':>9}{'vs torch':>10}{'efficiency':>12}{'bound':>8}"
+        f"{'variant':<28}{'step ms':>9}{'vs torch':>10}{'efficiency':>12}{'bound':>8}"
         f"{'of bound':>10}{'eff. vs x2':>12}{'clean':>7}"
     )
     for name, row in summary["variants"].items():
         ratio = f"{row['ratio_to_torch']:.3f}" if "ratio_to_torch" in row else "-"
         print(
-            f"{name:<22}{row['step_ms']:>9.1f}{ratio:>10}{row['efficiency']:>12.3f}"
+            f"{name:<28}{row['step_ms']:>9.1f}{ratio:>10}{row['efficiency']:>12.3f}"
             f"{row['bound']:>8.3f}{row['of_bound']:>10.1%}{row['efficiency_vs_single_x2']:>12.3f}"
             f"{row['clean_rounds']:>4}/{args.rounds}"
         )
     print(f"clean rounds of single / single-x2: {clean['single']}, {clean['single-x2']}")
+    to_1f1b = {
+        n: r["ratio_to_torch_1f1b"]
+        for n, r in summary["variants"].items()
+        if ("zb" in n or "zero" in n) and "ratio_to_torch_1f1b" in r
+    }
+    print(
+        "zero-bubble step over torch's 1F1B step: "
+        + ", ".join(f"{n} {r:.3f}" for n, r in to_1f1b.items())
+    )
     losses = summary["first_step_losses"]
     print("first-step loss: " + ", ".join(f"{k} {v:.6f}" for k, v in losses.items()))
 

@@ -106,3 +106,30 @@ def test_deferred_weight_gradients_reach_the_overlapped_buckets_in_the_step():
     for (_, _, grads), (started, buckets, zb_grads) in zip(one_f_one_b, zero_bubble):
         assert buckets >= 3 and started == buckets  # all overlapped, none left to the sync
         assert torch.equal(grads, zb_grads)
+
+
+def _one_rank_executor(actions):
+    config = config_for(2, tied=True)
+    state = ParallelState.single()
+    chunks = build_model_chunks(
+        config, state, RNGTracker(SEED), partition_layers(config, 1, 1), seed=SEED
+    )
+    return config, PipelineExecutor(
+        chunks,
+        state,
+        actions,
+        num_microbatches=2,
+        activation_shape=activation_shape(config, MICRO_BATCH, 1, False),
+    )
+
+
+def test_a_schedule_that_drops_or_reorders_a_w_is_refused():
+    actions = build_schedule("zero-bubble-h1", 1, 1, 2, 0)
+    assert [str(a) for a in actions] == ["F0", "B0", "W0", "F1", "B1", "W1"]
+    config, executor = _one_rank_executor(actions[:-1])
+    with pytest.raises(RuntimeError, match="1 backward passes' deferred weight gradients"):
+        executor.run(lambda i: micro_batch(config, 0, i))
+    swapped = actions[:2] + actions[3:5] + [actions[5], actions[2]]  # W1 before W0
+    config, executor = _one_rank_executor(swapped)
+    with pytest.raises(RuntimeError, match=r"runs W1 but the oldest pending B is \(0, 0\)"):
+        executor.run(lambda i: micro_batch(config, 0, i))
