@@ -68,7 +68,6 @@ UNSUPPORTED_FLAGS: tuple[str, ...] = (
     "--moe-router-load-balancing-type",
     "--moe-token-dispatcher-type",
     "--moe-ffn-hidden-size",
-    "--fp8-format",
     "--fp8",
     "--wandb-project",
     "--wandb-exp-name",
