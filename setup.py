@@ -42,6 +42,9 @@ setup(
             "triton>=3.0; platform_system == 'Linux'",
         ],
         "hf": ["tokenizers>=0.15"],
+        # benchmarks/bench_megatron_core.py: megapipe's step against Megatron-Core's (it says
+        # so and exits 0 without it; its checkpoint writer is not used there, so no psutil)
+        "bench": ["megatron-core==0.16.1"],
     },
     py_modules=["pretrain_gpt"],
 )

@@ -6,10 +6,12 @@ variant, all initialised to the same weights:
   (built with `ParallelState.single()`), `torch.optim.AdamW` and
   `torch.nn.utils.clip_grad_norm_`, gradient accumulation with `no_sync` on all but the last
   micro-batch;
-* `megapipe`, `megapipe-overlap`, `megapipe-distopt`, `megapipe-distopt-overlap`: the
-  product's own `train_step` (pipeline executor, GradBuffer, ShardedOptimizer), built from
-  parsed Megatron flags as `pretrain_gpt.py` builds it: plain, with `--overlap-grad-reduce`,
-  with `--use-distributed-optimizer`, and with both.
+* `megapipe`, `megapipe-overlap`, `megapipe-distopt`, `megapipe-distopt-overlap`,
+  `megapipe-distopt-overlap-gather`: the product's own `train_step` (pipeline executor,
+  GradBuffer, ShardedOptimizer), built from parsed Megatron flags as `pretrain_gpt.py` builds
+  it: plain, with `--overlap-grad-reduce`, with `--use-distributed-optimizer`, with both, and
+  with `--overlap-param-gather` added (the parameter all-gather left running into the next
+  step's forward: that step's time includes whatever of it the forward waits for).
 Every variant trains on the same global batches (mock data, iteration n = the variant's n-th
 step), with the same AdamW hyper-parameters (no weight decay for 1-D parameters, as megapipe),
 the same clipping, and the same bucket size (`--bucket-mb`: DDP's `bucket_cap_mb`, and
@@ -61,8 +63,16 @@ VARIANT_FLAGS = {
     "megapipe-overlap": ["--overlap-grad-reduce"],
     "megapipe-distopt": ["--use-distributed-optimizer"],
     "megapipe-distopt-overlap": ["--use-distributed-optimizer", "--overlap-grad-reduce"],
+    "megapipe-distopt-overlap-gather": [
+        "--use-distributed-optimizer",
+        "--overlap-grad-reduce",
+        "--overlap-param-gather",
+    ],
 }
-DEFAULT_VARIANTS = "megapipe,megapipe-overlap,megapipe-distopt,megapipe-distopt-overlap"
+DEFAULT_VARIANTS = (
+    "megapipe,megapipe-overlap,megapipe-distopt,megapipe-distopt-overlap,"
+    "megapipe-distopt-overlap-gather"
+)
 LOSS_TOLERANCE = 1e-5  # step 0, relative: loss vs DDP's, grad norm vs float64 norm of DDP's grads
 
 

@@ -17,7 +17,9 @@ Synchronisation per bucket, over the data-parallel group, pre-scaled by 1/DP (an
 * plain data parallelism: all-reduce; every rank then holds the whole averaged gradient;
 * distributed optimizer (ZeRO-1): reduce-scatter; each rank holds its 1/DP shard of every bucket
   (buckets are padded to a multiple of DP), steps only that shard, and the parameters are
-  all-gathered afterwards (`all_gather_params`).
+  all-gathered afterwards (`all_gather_params`); with --overlap-param-gather those
+  all-gathers run asynchronously and each bucket is waited for (`wait_params`) just before
+  the next forward first reads it (ShardedOptimizer.overlap_param_gather_with).
 `solo` parameters get a bucket of their own at the start of the buffer: the tied word embedding
 of the first and last pipeline stage, whose gradients are summed over the embedding group after
 the DP reduction, must be sharded identically on both stages for that sum to be right.
@@ -52,6 +54,7 @@ class Bucket:
     started: bool = False
     work: dist.Work | None = None
     scattered: torch.Tensor | None = None  # reduce-scatter output until copied into place
+    gathering: tuple[dist.Work, torch.Tensor] | None = None  # async parameter all-gather
 
     def shard_range(self, dp: Group) -> tuple[int, int]:
         """This DP rank's [start, end) of the bucket, in buffer coordinates."""
@@ -88,6 +91,7 @@ class GradBuffer:
         current: list[torch.nn.Parameter] = []
         start = offset = 0
         solo_ids = {id(p) for p in solo or []}
+        self._solo_buckets = sum(1 for p in self.params if id(p) in solo_ids)
         for param in (p for p in self.params if id(p) in solo_ids):
             offsets[id(param)] = start
             offset = -(-(start + param.numel()) // pad_to) * pad_to
@@ -237,13 +241,42 @@ class GradBuffer:
             return [(0, self.numel)] if self.numel else []
         return [bucket.shard_range(self.dp) for bucket in self.buckets]
 
-    def all_gather_params(self) -> None:
-        """After a sharded step: every rank receives every other rank's updated shard."""
+    def all_gather_params(self, *, async_op: bool = False) -> None:
+        """After a sharded step: every rank receives every other rank's updated shard.
+
+        With `async_op` (--overlap-param-gather) the all-gathers are only started, the
+        first-needed bucket first (the solo embedding, then the first layers'); whoever reads a
+        bucket's parameters waits for it first: `wait_params` (the forward pre-hooks that
+        ShardedOptimizer.overlap_param_gather_with installs) or `finish_param_sync` (all).
+        """
         what = "the optimizer step (all-gather of the updated parameters over ranks {})"
         self.activity.enter("optimizer", what, list(self.dp.ranks))
         if not self.shard or self.dp.size == 1:
             return
-        for bucket in self.buckets:
+        self.finish_param_sync()  # a gather still running would overwrite the new shard
+        solo, rest = self.buckets[: self._solo_buckets], self.buckets[self._solo_buckets :]
+        for bucket in [*solo, *reversed(rest)] if async_op else self.buckets:
             lo, hi = bucket.shard_range(self.dp)
             mine = self.param_data[lo:hi].clone()
-            _all_gather_single(self.param_data[bucket.start : bucket.end], mine, group=self.dp.pg)
+            out = self.param_data[bucket.start : bucket.end]
+            work = _all_gather_single(out, mine, group=self.dp.pg, async_op=async_op)
+            if async_op:
+                bucket.gathering = (work, mine)
+
+    def bucket_of(self, param: torch.nn.Parameter) -> Bucket:
+        return self._bucket_of[id(param)]
+
+    def wait_params(self, bucket: Bucket) -> None:
+        """Wait for `bucket`'s parameter all-gather, if one is in flight."""
+        if bucket.gathering is not None:
+            what = "the all-gather of parameter bucket {} over the data-parallel group ({})"
+            index = next(i for i, b in enumerate(self.buckets) if b is bucket)
+            self.activity.enter("param-gather", what, index, list(self.dp.ranks))
+            bucket.gathering[0].wait()
+            bucket.gathering = None
+
+    def finish_param_sync(self) -> None:
+        """Wait for every parameter all-gather still in flight (before reading parameters
+        outside a forward: a checkpoint save, the next optimizer step)."""
+        for bucket in self.buckets:
+            self.wait_params(bucket)

@@ -103,6 +103,14 @@ def merged_runs(pieces: list[Piece], buffers: list[GradBuffer]) -> list[Run]:
     return runs
 
 
+def _waiter(waits: list[tuple[GradBuffer, object]]):
+    def wait(module: torch.nn.Module, inputs) -> None:
+        for buffer, bucket in waits:
+            buffer.wait_params(bucket)
+
+    return wait
+
+
 class ShardedOptimizer:
     """AdamW or SGD with fp32 master weights over this rank's shard of the gradient buffers."""
 
@@ -118,6 +126,7 @@ class ShardedOptimizer:
         # The last iterations' losses, which --check-for-spiky-loss compares a loss against
         # (kept here, beside the loss scaler, as the state the step carries between iterations).
         self.loss_history: deque[float] = deque(maxlen=SPIKE_WINDOW)
+        self._param_gather_hooks: list = []  # --overlap-param-gather's forward pre-hooks
         self.pieces: list[Piece] = []
         for buffer in buffers:
             for shard_lo, shard_hi in buffer.shard_ranges():
@@ -197,6 +206,7 @@ class ShardedOptimizer:
         raises NonFiniteGradient (on every rank: the norm is all-reduced) before anything is
         updated. With a scaler, an inf/NaN is an fp16 overflow: the step is skipped.
         """
+        self.finish_param_sync()  # the step writes this rank's shard of the parameters
         grads = self._grad_runs
         if self.scaler is not None:
             inv_scale = 1.0 / self.scaler.scale
@@ -218,10 +228,42 @@ class ShardedOptimizer:
         for run, master in zip(self._runs, self._master_runs):
             run.values().copy_(master)
         for buffer in self.buffers:
-            buffer.all_gather_params()
+            buffer.all_gather_params(async_op=self.config.overlap_param_gather)
         if self.scaler is not None:
             self.scaler.update(False)
         return StepOutcome(skipped=False, grad_norm=norm)
+
+    def overlap_param_gather_with(self, chunks: list[torch.nn.Module]) -> None:
+        """--overlap-param-gather: before a module of `chunks` runs its forward, wait for the
+        all-gathers of the buckets holding its parameters (once per model; idempotent).
+
+        Forward pre-hooks, as Megatron-Core's, with one difference that matters: a module
+        waits for its whole subtree's parameters, not only its own, because a forward may read
+        a child's weight without calling the child (the embedding adds its position table's
+        `.weight` directly: with own-parameters-only hooks, PP runs with tied embeddings read
+        a stale position table now and then). Only the modules holding the layer stack (an
+        nn.ModuleList below them: the chunk, its decoder) wait for their own parameters
+        alone, or the first forward would wait for everything. Whatever reads parameters
+        outside a forward calls finish_param_sync (the optimizer step, checkpoint saves).
+        """
+        if self._param_gather_hooks or not self.config.overlap_param_gather:
+            return
+        for chunk in chunks:
+            for module in chunk.modules():
+                holds_stack = any(isinstance(m, torch.nn.ModuleList) for m in module.modules())
+                params = module.parameters(recurse=not holds_stack)
+                owned = [p for p in params if hasattr(p, "grad_buffer")]
+                if not owned:
+                    continue
+                pairs = {(id(p.grad_buffer), id(p.grad_buffer.bucket_of(p))): p for p in owned}
+                waits = [(p.grad_buffer, p.grad_buffer.bucket_of(p)) for p in pairs.values()]
+                hook = module.register_forward_pre_hook(_waiter(waits))
+                self._param_gather_hooks.append(hook)
+
+    def finish_param_sync(self) -> None:
+        """Wait for every parameter all-gather still in flight (--overlap-param-gather)."""
+        for buffer in self.buffers:
+            buffer.finish_param_sync()
 
     def nonfinite_params(self) -> list[torch.nn.Parameter]:
         """This rank's parameters with a NaN/Inf in the part of the gradient it optimizes."""

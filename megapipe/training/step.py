@@ -116,6 +116,7 @@ def train_step(
     `executor` must run `batch.num_microbatches` micro-batches.
     """
     scaler = optimizer.scaler
+    optimizer.overlap_param_gather_with(chunks)  # --overlap-param-gather: once
     for buffer in optimizer.buffers:
         buffer.expect_microbatches(batch.num_microbatches)
     start = time.perf_counter()

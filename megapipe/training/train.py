@@ -320,6 +320,7 @@ def train(
             activity.begin("save", iteration)
             activity.enter("save", "the checkpoint save of iteration {}", iteration)
             evaluations = {name: e.evaluations for name, e in evaluators.items()}
+            optimizer.finish_param_sync()  # --overlap-param-gather: no stale shard is saved
             save_checkpoint(
                 checkpoints, state, Progress(iteration, consumed, scheduled, evaluations)
             )
