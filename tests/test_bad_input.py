@@ -226,8 +226,7 @@ FLAG_CASES: list[tuple[Bad, dict, list[str], int]] = [
        "signal that can be caught", "use a name like SIGUSR1 or USR1, or a number"),
      {"exit_signal": "SIGFOO"}, [], 1),
     (B("an absurd --num-layers", "--num-layers (9223372036854775808) exceeds 100,000, far "
-       "beyond any model that trains", "use the real depth (the fuzzer's 2**63 layers once ran "
-       "the parser out of memory)"), {"num_layers": 2**63}, [], 8),
+       "beyond any model that trains", "use the real depth"), {"num_layers": 2**63}, [], 8),
     (B("mock data without a vocabulary size", "--mock-data needs --vocab-size (or "
        "--tokenizer-type, whose vocabulary size is used)", "add --vocab-size N (or a tokenizer)"),
      {"vocab_size": None}, [], 1),

@@ -14,6 +14,7 @@ import io
 import os
 import pickle
 import re
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -113,7 +114,8 @@ def safe_torch_load(path: str | os.PathLike, allowed: Sequence[type] = ()) -> An
     or unreadable (truncated or corrupted). torch's own message would advise retrying with
     weights_only=False, which is exactly what must not be done with an untrusted file."""
     try:
-        with torch.serialization.safe_globals(list(allowed)):
+        with torch.serialization.safe_globals(list(allowed)), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # e.g. "pickle protocol 22" from a damaged file
             return torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint file {path}: missing") from None
