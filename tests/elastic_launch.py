@@ -8,14 +8,21 @@ and megapipe once, instead of each attempt starting N new interpreters that impo
 (about 5 CPU-seconds per rank). That is what lets the fault tests restart a 4-rank job several
 times within their CI budget; tools/stress_kill.py runs the real `torchrun` command.
 Exits 0 when the job succeeded, 1 when it failed after its restarts (with torchrun's report).
+Tests call `fork_job`, which forks the agent itself from the test process (megapipe is
+imported there already), so no interpreter starts at all.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
+import time
+import traceback
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -40,25 +47,22 @@ def _rank(argv: list[str]) -> None:
         sys.exit(status)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nproc", type=int, required=True)
-    parser.add_argument("--max-restarts", type=int, default=0)
-    parser.add_argument("--shutdown-timeout", type=int, default=30)
-    parser.add_argument("flags", nargs=argparse.REMAINDER)
-    args = parser.parse_args()
-    flags = args.flags[1:] if args.flags[:1] == ["--"] else args.flags
+def launch(
+    nproc: int, flags: list[str], *, max_restarts: int = 0, shutdown_timeout: int = 30
+) -> int:
+    """Run pretrain_gpt.py <flags> on `nproc` forked ranks under the elastic agent; 0 when the
+    job succeeded, 1 when it failed after its restarts (torchrun's report on stderr)."""
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
-        nproc_per_node=args.nproc,
+        nproc_per_node=nproc,
         run_id=str(uuid.uuid4()),
         rdzv_backend="c10d",
         rdzv_endpoint="localhost:0",
-        max_restarts=args.max_restarts,
+        max_restarts=max_restarts,
         monitor_interval=0.1,
         start_method="fork",
-        shutdown_timeout=args.shutdown_timeout,
+        shutdown_timeout=shutdown_timeout,
     )
     sys.stdout.flush()
     try:
@@ -69,5 +73,98 @@ def main() -> int:
     return 0
 
 
+@dataclass
+class ForkedJob:
+    """A `launch` running in a child forked from the caller (a test that imported megapipe
+    already): its agent's pid, and its output lines as they arrived."""
+
+    pid: int
+    lines: list[tuple[float, str, str]] = field(default_factory=list)  # (time, stream, text)
+    readers: list[threading.Thread] = field(default_factory=list)
+    status: int | None = None
+
+    def ranks(self) -> list[int]:
+        """The rank processes alive now (the agent's children)."""
+        try:
+            with open(f"/proc/{self.pid}/task/{self.pid}/children") as f:
+                return [int(p) for p in f.read().split()]
+        except FileNotFoundError:
+            return []
+
+    def wait(self, timeout: float) -> int:
+        """The launch's status (-9 when it was killed after `timeout` seconds)."""
+        deadline = time.monotonic() + timeout
+        while self.status is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.status = os.waitstatus_to_exitcode(status)
+            elif time.monotonic() > deadline:
+                os.kill(self.pid, signal.SIGKILL)
+            else:
+                time.sleep(0.05)
+        for reader in self.readers:
+            reader.join(timeout=10)
+        return self.status
+
+    def text(self, stream: str) -> str:
+        return "".join(line for _, s, line in self.lines if s == stream)
+
+
+def fork_job(nproc: int, flags: list[str], env: dict[str, str], **options: int) -> ForkedJob:
+    """Start `launch(nproc, flags, **options)` in a forked child with `env` added to its
+    environment; its stdout and stderr are collected line by line, with arrival times."""
+    pipes = {"stdout": os.pipe(), "stderr": os.pipe()}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the child: the agent, its ranks forked from it in turn
+        status = 1
+        try:
+            for fd, (read, write) in zip((1, 2), pipes.values()):
+                os.dup2(write, fd)
+                os.close(read)
+                os.close(write)
+            sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+            sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+            for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+                os.environ.pop(name, None)
+            os.environ.update(env)
+            status = launch(nproc, flags, **options)
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status)
+    job = ForkedJob(pid)
+    for name, (read, write) in pipes.items():
+        os.close(write)
+
+        def collect(read: int = read, name: str = name) -> None:
+            with open(read, encoding="utf-8", errors="replace") as stream:
+                for line in stream:
+                    job.lines.append((time.monotonic(), name, line))
+
+        job.readers.append(threading.Thread(target=collect, daemon=True))
+        job.readers[-1].start()
+    return job
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, required=True)
+    parser.add_argument("--max-restarts", type=int, default=0)
+    parser.add_argument("--shutdown-timeout", type=int, default=30)
+    parser.add_argument("flags", nargs=argparse.REMAINDER)
+    args = parser.parse_args()
+    flags = args.flags[1:] if args.flags[:1] == ["--"] else args.flags
+    return launch(
+        args.nproc, flags, max_restarts=args.max_restarts, shutdown_timeout=args.shutdown_timeout
+    )
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)  # skip the interpreter's teardown of torch (seconds, after the job ended)

@@ -11,10 +11,7 @@ flags run in-process. Both are module-scoped: every test reads the same two runs
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,9 +20,8 @@ import pytest
 from megapipe.errors import ConfigError
 from megapipe.testing import run_distributed, train_with_flags
 from megapipe.training.faults import Fault, FaultPlan
+from tests.elastic_launch import fork_job
 
-ROOT = Path(__file__).resolve().parents[1]
-LAUNCH = str(ROOT / "tests" / "elastic_launch.py")
 TRAIN_ITERS = 8
 FLAGS = [
     "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -66,15 +62,11 @@ def reference() -> list[str]:
 def killed_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Job, Path]:
     save = tmp_path_factory.mktemp("auto-resume") / "ckpt"
     faults = ",".join(f"kill:{m}:{i}:{r}@{a}" for a, (m, i, r) in enumerate(KILLS))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MEGAPIPE_FAULT": faults}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    command = [
-        sys.executable, LAUNCH, "--nproc", "4", "--max-restarts", str(len(KILLS)), "--",
-        *FLAGS, "--save", str(save), "--load", str(save), "--save-interval", "1",
-    ]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=400, cwd=ROOT)
-    return Job(done.returncode, done.stdout, done.stderr), save
+    flags = [*FLAGS, "--save", str(save), "--load", str(save), "--save-interval", "1"]
+    env = {"OMP_NUM_THREADS": "1", "MEGAPIPE_FAULT": faults}
+    job = fork_job(4, flags, env, max_restarts=len(KILLS))
+    status = job.wait(timeout=400)
+    return Job(status, job.text("stdout"), job.text("stderr")), save
 
 
 def test_every_kill_fired_and_the_job_still_succeeded(killed_job) -> None:

@@ -13,8 +13,6 @@ import multiprocessing as mp
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,9 +20,8 @@ import pytest
 
 from megapipe.testing import run_distributed, train_with_flags
 from megapipe.training.exit_conditions import SignalCatcher
+from tests.elastic_launch import fork_job
 
-ROOT = Path(__file__).resolve().parents[1]
-LAUNCH = str(ROOT / "tests" / "elastic_launch.py")
 FLAGS = [
     "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
     "--seq-length", "16", "--mock-data", "--vocab-size", "128", "--micro-batch-size", "1",
@@ -45,18 +42,16 @@ def log_lines(stdout: str) -> dict[int, str]:
 
 def test_sigterm_under_torchrun_saves_exits_0_and_resumes_exactly(tmp_path: Path) -> None:
     save = tmp_path / "ckpt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MEGAPIPE_FAULT": "term:backward:3:1"}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    command = [sys.executable, LAUNCH, "--nproc", "2", "--", *FLAGS,
-               "--exit-signal-handler", "--save", str(save), "--save-interval", "1000"]  # fmt: skip
-    stopped = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
-    assert stopped.returncode == 0, stopped.stderr[-3000:]
-    assert "exiting program after receiving SIGTERM, at iteration 3" in stopped.stdout
-    assert "received SIGTERM: stopping after this iteration" in stopped.stderr
+    flags = [*FLAGS, "--exit-signal-handler", "--save", str(save), "--save-interval", "1000"]
+    job = fork_job(2, flags, {"OMP_NUM_THREADS": "1", "MEGAPIPE_FAULT": "term:backward:3:1"})
+    status = job.wait(timeout=300)
+    stdout, stderr = job.text("stdout"), job.text("stderr")
+    assert status == 0, stderr[-3000:]
+    assert "exiting program after receiving SIGTERM, at iteration 3" in stdout
+    assert "received SIGTERM: stopping after this iteration" in stderr
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
     assert (save / "iter_0000003").is_dir()
-    first = log_lines(stopped.stdout)
+    first = log_lines(stdout)
     assert sorted(first) == [1, 2, 3]
 
     (reference,) = run_distributed(train_with_flags, 2, FLAGS, timeout=240)[-1:]
