@@ -9,6 +9,8 @@ each with a GradBuffer (fp32 main_grad, overlapped bucket reduction armed as in 
   benchmark un-claims the parameters so that the buffer takes them through the hook);
 * `owned`: the layers as they are: the local sequence shard saved, gathered again in backward
   overlapping dX, dX reduce-scattered overlapping dW, dW multiplied into main_grad;
+* `owned-no-overlap`: `owned` with --no-async-tensor-model-parallel-allreduce: each backward
+  collective is waited for as soon as it starts (the overlap measured off);
 * `owned-deferred`: the same with backward under `WeightGradStore.deferring()` and
   `compute_weight_grads()` after the micro-batches (the zero-bubble API; same work, moved).
 
@@ -43,6 +45,7 @@ from megapipe.config import ModelConfig
 from megapipe.distributed.grad_buffer import GradBuffer
 from megapipe.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from megapipe.layers.cross_entropy import masked_mean
+from megapipe.layers.linear import set_tp_comm_overlap
 from megapipe.layers.weight_grad import WeightGradStore
 from megapipe.model import GPTModel
 from megapipe.model.activation_memory import saved_activation_bytes
@@ -53,7 +56,7 @@ from megapipe.parity import relative_error
 from megapipe.testing import run_distributed
 
 DEFAULT_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "tp_linear.json")
-VARIANTS = ("autograd", "owned", "owned-deferred")
+VARIANTS = ("autograd", "owned", "owned-no-overlap", "owned-deferred")
 GRAD_TOLERANCE = 1e-5
 
 # --------------------------------------------------------------------------------------------
@@ -128,6 +131,7 @@ class Variant:
         self.model = GPTModel(config, state, rng, seed=args.seed, sequence_parallel=True)
         if name == "autograd":
             use_autograd_layers(self.model)
+        set_tp_comm_overlap(self.model, name != "owned-no-overlap")
         self.store = WeightGradStore().attach(self.model)
         self.deferred = name == "owned-deferred"
         self.buffer = GradBuffer(

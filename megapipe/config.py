@@ -94,6 +94,9 @@ class ParallelConfig:
     pipeline_p2p_timeout: float = 300.0  # seconds before a stage gives up on its neighbour
     pipeline_trace: str | None = None  # Chrome-trace JSON of the measured schedule
     sequence_parallel: bool = False
+    # TP linears overlap their backward collectives with the next matmul; False (Megatron's
+    # --no-async-tensor-model-parallel-allreduce) waits at once, to measure what that buys.
+    tp_comm_overlap: bool = True
     distributed_backend: str | None = None  # None: nccl when CUDA is present, else gloo
     distributed_timeout_minutes: float = 10.0  # collectives give up after this long
     # The watchdog (megapipe/training/watchdog.py): a step may run factor x the median step

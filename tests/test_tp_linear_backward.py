@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from megapipe.distributed.grad_buffer import GradBuffer
 from megapipe.layers import ColumnParallelLinear, VocabParallelEmbedding
+from megapipe.layers.linear import set_tp_comm_overlap
 from megapipe.layers.param_meta import shard_of
 from megapipe.layers.weight_grad import WeightGradStore
 from megapipe.model.initialization import full_tensor, initialize_parameters
@@ -165,3 +166,24 @@ def _embedding(rank, world):
 @pytest.mark.parametrize("world", [1, 2])
 def test_embedding_weight_gradient_is_bit_identical_to_autograds(world):
     assert all(run_distributed(_embedding, world))
+
+
+def _gradients_with_overlap(rank, world, sequence_parallel, overlap):
+    tp = ParallelState.build(tensor_model_parallel_size=world).tp
+    layer = _column(tp, sequence_parallel)
+    set_tp_comm_overlap(layer, overlap)
+    x_full = _randn(7, S, B, H)
+    x = (x_full.chunk(world)[rank] if sequence_parallel else x_full).clone().requires_grad_()
+    y, _ = layer(x)
+    (y * _randn(9 + rank, *y.shape)).sum().backward()
+    return [x.grad, layer.weight.grad, layer.bias.grad]
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_waiting_at_once_instead_of_overlapping_changes_no_gradient(sequence_parallel):
+    """--no-async-tensor-model-parallel-allreduce only moves the waits: same bits."""
+    on = run_distributed(_gradients_with_overlap, 2, sequence_parallel, True)
+    off = run_distributed(_gradients_with_overlap, 2, sequence_parallel, False)
+    for rank_on, rank_off in zip(on, off):
+        for a, b in zip(rank_on, rank_off):
+            assert torch.equal(a, b)

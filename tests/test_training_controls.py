@@ -58,6 +58,14 @@ def test_unsupported_flags_are_refused_by_name(flags: list[str], message: str) -
     assert str(error.value).startswith(message)
 
 
+def test_tp_comm_overlap_is_on_by_default_and_megatrons_switch_turns_it_off() -> None:
+    base = BASE + ["--train-iters", "2"]
+    assert parse_args(base, 1).parallel.tp_comm_overlap
+    assert parse_args(base + ["--tp-comm-overlap"], 1).parallel.tp_comm_overlap
+    off = base + ["--no-async-tensor-model-parallel-allreduce"]
+    assert not parse_args(off, 1).parallel.tp_comm_overlap
+
+
 def test_gpu_only_flags_are_accepted_and_noted_once() -> None:
     flags = ["--train-iters", "2", "--use-cpu-initialization", "--tp-comm-overlap",
              "--no-gradient-accumulation-fusion", "--context-parallel-size", "1",
@@ -67,7 +75,6 @@ def test_gpu_only_flags_are_accepted_and_noted_once() -> None:
     notes = [n for n in configs.warnings if "has no effect here" in n]
     assert [n.split(" has no effect")[0] for n in notes] == [
         "--no-gradient-accumulation-fusion",
-        "--tp-comm-overlap",
         "--use-cpu-initialization",
         "--num-workers 2",
     ]

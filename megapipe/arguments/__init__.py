@@ -145,6 +145,7 @@ def parse_args(argv: Sequence[str] | None, world_size: int) -> Configs:
         pipeline_p2p_timeout=args.pipeline_p2p_timeout,
         pipeline_trace=args.pipeline_trace,
         sequence_parallel=args.sequence_parallel,
+        tp_comm_overlap=args.tp_comm_overlap,
         distributed_backend=backend,
         distributed_timeout_minutes=args.distributed_timeout_minutes,
         watchdog_timeout_factor=args.watchdog_timeout_factor,

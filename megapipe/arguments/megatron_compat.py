@@ -2,10 +2,11 @@
 which are refused by name, and what an unknown flag probably meant.
 
 A Megatron-LM user's launch script carries flags that only matter on a GPU with fused kernels
-(`--use-cpu-initialization`, `--tp-comm-overlap`, ...). Those are accepted and reported once at
-start-up as having no effect, so the script runs unchanged. A Megatron-LM feature megapipe does
-not have yet (`--num-experts`, `--context-parallel-size 2`) is refused with a line that names
-it, rather than argparse's generic "unrecognized arguments", and never silently ignored.
+(`--use-cpu-initialization`, `--no-gradient-accumulation-fusion`, ...). Those are accepted and
+reported once at start-up as having no effect, so the script runs unchanged. A Megatron-LM
+feature megapipe does not have yet (`--num-experts`, `--context-parallel-size 2`) is refused
+with a line that names it, rather than argparse's generic "unrecognized arguments", and never
+silently ignored.
 """
 
 from __future__ import annotations
@@ -41,12 +42,6 @@ class NoEffectFlag:
 NO_EFFECT_FLAGS: tuple[NoEffectFlag, ...] = (
     NoEffectFlag("--use-mcore-models", "megapipe has one model implementation"),
     NoEffectFlag("--no-gradient-accumulation-fusion", GRAD_ACCUMULATION),
-    NoEffectFlag(
-        "--no-async-tensor-model-parallel-allreduce",
-        "the input-gradient all-reduce of tensor-parallel linears always overlaps the "
-        "weight-gradient matmul",
-    ),
-    NoEffectFlag("--tp-comm-overlap", "tensor-parallel communication is not overlapped yet"),
     NoEffectFlag(
         "--use-cpu-initialization",
         "parameters are always initialised from (seed, name) on the CPU generator",

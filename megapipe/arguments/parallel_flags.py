@@ -93,6 +93,21 @@ def add_distributed_args(group: argparse._ArgumentGroup) -> None:
         help="Enable sequence parallelism (needs --tensor-model-parallel-size > 1).",
     )
     group.add_argument(
+        "--tp-comm-overlap",
+        dest="tp_comm_overlap",
+        action="store_true",
+        default=True,
+        help="Overlap the tensor-parallel linears' backward collectives (input-gradient "
+        "all-reduce or reduce-scatter, the sequence-parallel re-gather) with the next matmul. "
+        "On by default.",
+    )
+    group.add_argument(
+        "--no-async-tensor-model-parallel-allreduce",
+        dest="tp_comm_overlap",
+        action="store_false",
+        help="Wait for each tensor-parallel backward collective at once (no overlap).",
+    )
+    group.add_argument(
         "--distributed-timeout-minutes",
         type=float,
         default=10.0,

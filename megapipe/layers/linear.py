@@ -79,6 +79,7 @@ class ColumnParallelLinear(torch.nn.Module):
         if self.bias is not None and not skip_bias_add:
             claim_weight_grad(self.bias)
         self.weight_grad_store: WeightGradStore | None = None  # set by WeightGradStore.attach
+        self.overlap_comm = True  # set by set_tp_comm_overlap
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         y = tensor_parallel_linear(
@@ -88,6 +89,7 @@ class ColumnParallelLinear(torch.nn.Module):
             self.tp_group,
             input_comm="sequence" if self.sequence_parallel else "all_reduce",
             store=self.weight_grad_store,
+            overlap=self.overlap_comm,
         )
         if self.gather_output:
             y = gather_from_tp_region(y, self.tp_group)
@@ -152,3 +154,11 @@ class RowParallelLinear(torch.nn.Module):
         if self.skip_bias_add:
             return y, self.bias
         return (y + self.bias if self.bias is not None else y), None
+
+
+def set_tp_comm_overlap(module: torch.nn.Module, overlap: bool) -> None:
+    """Whether the column-parallel linears in `module` overlap their backward collectives
+    (the input-gradient all-reduce or reduce-scatter, SP's re-gather) with the next matmul."""
+    for layer in module.modules():
+        if isinstance(layer, ColumnParallelLinear):
+            layer.overlap_comm = overlap

@@ -52,6 +52,7 @@ class _Call:
     group: Group
     input_comm: InputComm
     store: WeightGradStore | None
+    overlap: bool = True  # False: wait for each collective at once (for measuring the overlap)
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -75,6 +76,16 @@ def _weight_grads(
     return grad_weight, grad_bias
 
 
+@dataclass(frozen=True)
+class _Done:
+    """A collective already waited for (no overlap): `wait` returns its result."""
+
+    result: torch.Tensor
+
+    def wait(self) -> torch.Tensor:
+        return self.result
+
+
 class _TensorParallelLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, call: _Call):
@@ -94,6 +105,8 @@ class _TensorParallelLinear(torch.autograd.Function):
         gather = None
         if sequence and wants_weights and not defer:
             gather = start_all_gather_sequence(x, call.group)  # for dW, while dx is computed
+            if not call.overlap:
+                gather = _Done(gather.wait())
         reduction = grad_input = None
         if wants_input:
             grad_input = grad_output.matmul(call.weight)
@@ -103,6 +116,8 @@ class _TensorParallelLinear(torch.autograd.Function):
                 reduction = start_reduce_scatter_sequence(grad_input, call.group)
             elif call.input_comm == "all_reduce":
                 reduction = start_all_reduce(grad_input, call.group)
+            if reduction is not None and not call.overlap:
+                reduction = _Done(reduction.wait())
         grad_weight = grad_bias = None
         if defer:
             params = [p for p in (call.weight, call.bias) if p is not None and p.requires_grad]
@@ -128,13 +143,16 @@ def tensor_parallel_linear(
     *,
     input_comm: InputComm,
     store: WeightGradStore | None = None,
+    overlap: bool = True,
 ) -> torch.Tensor:
     """F.linear(x, weight, bias) with the input entering the TP region by `input_comm`.
 
     store: where the layer defers its weight gradients inside `store.deferring()`.
+    overlap: False waits for each backward collective as soon as it is started instead of
+    computing the next matmul meanwhile (Megatron's --no-async-tensor-model-parallel-allreduce).
     """
     if group.size == 1:
         input_comm = "none"
     return _TensorParallelLinear.apply(
-        x, weight, bias, _Call(weight, bias, group, input_comm, store)
+        x, weight, bias, _Call(weight, bias, group, input_comm, store, overlap)
     )

@@ -15,6 +15,7 @@ from megapipe.data.sources import BatchSources, build_batch_sources
 from megapipe.distributed.grad_buffer import GradBuffer
 from megapipe.distributed.loss_scaler import make_loss_scaler
 from megapipe.distributed.optimizer import ShardedOptimizer
+from megapipe.layers.linear import set_tp_comm_overlap
 from megapipe.model.activation_memory import SavedTensorPeak
 from megapipe.model.attention_backends import check_attention_backend
 from megapipe.model.gpt import GPTModel
@@ -66,6 +67,7 @@ def build_model_chunks_for(
     for chunk in chunks:
         chunk.to(configs.optimizer.params_dtype)
         chunk.train()
+        set_tp_comm_overlap(chunk, configs.parallel.tp_comm_overlap)
     return chunks
 
 
