@@ -20,9 +20,9 @@
    96 B s l h^2 (1 + s/6h + V/16lh)) against the published one. The efficiency is calibrated
    on the first row (1.7B, TP1 PP1 DP32, 137 TFLOP/s); the other nine are predictions.
 
-    python benchmarks/bench_planner.py              # both, ~8 min on 2 busy cores
-    python benchmarks/bench_planner.py --cpu        # ~3 min
-    python benchmarks/bench_planner.py --published  # ~5 min
+    python benchmarks/bench_planner.py              # both, ~10 min on 2 busy cores
+    python benchmarks/bench_planner.py --cpu        # ~7 min (updates only its part of the JSON)
+    python benchmarks/bench_planner.py --published  # ~3 min
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import json
 import os
 import platform
 import re
@@ -153,6 +154,7 @@ def run_pretrain(ranks: int, flags: list[str]) -> dict:
 
 
 def cpu_validation() -> dict:
+    load_before = os.getloadavg()[0]
     peak = measure_peak_tflops()
     bandwidth = measure_bandwidth_gbps()
     knobs = TimeKnobs(half_precision=False)
@@ -178,8 +180,9 @@ def cpu_validation() -> dict:
         runs = row["runs"]
         row["measured"] = {
             "step_ms": [t for r in runs for t in r["step_ms"]],
-            "peak_rss_mib": min(r["peak_rss_mib"] for r in runs),
-            "saved_activations_mib": runs[0]["saved_activations_mib"],
+            # a process the launcher fails to reap can only lower the peak: take the highest
+            "peak_rss_mib": max(r["peak_rss_mib"] for r in runs),
+            "saved_activations_mib": max((r["saved_activations_mib"] for r in runs), key=len),
         }
     one = step_time(model, CPU_LAYOUTS["1 rank"][2], cluster, GLOBAL_BATCH, knobs)
     measured_one = min(rows["1 rank"]["measured"]["step_ms"]) / 1e3
@@ -217,7 +220,11 @@ def cpu_validation() -> dict:
               f"{e['step_error']:+6.1%} | {e['measured_model_mib']:8.1f} | "
               f"{e['estimated_mib']:8.1f} | {e['memory_error']:+6.1%} | {saved} / "
               f"{e['estimated_activations_mib']:.2f}")  # fmt: skip
+    load = (load_before, os.getloadavg()[0])
+    print(f"load average (1 min) before / after: {load[0]:.1f} / {load[1]:.1f} on "
+          f"{os.cpu_count()} cores")  # fmt: skip
     return {"peak_tflops": peak, "allreduce_gbps": bandwidth, "baseline_mib": baseline,
+            "load_average": load,
             "matmul_efficiency": efficiency, "model": CPU_MODEL, "micro_batch": MICRO_BATCH,
             "global_batch": GLOBAL_BATCH, "rows": table}  # fmt: skip
 
@@ -326,8 +333,10 @@ def main() -> None:
     parser.add_argument("--output", default=str(ROOT / "benchmarks" / "out" / "planner.json"))
     args = parser.parse_args()
     both = not (args.cpu or args.published)
-    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "machine": platform.platform(), "torch": torch.__version__}  # fmt: skip
+    output = Path(args.output)
+    report = json.loads(output.read_text()) if output.exists() else {}  # keep the other part
+    report.update(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  machine=platform.platform(), torch=torch.__version__)  # fmt: skip
     if args.cpu or both:
         report["cpu"] = cpu_validation()
     if args.published or both:

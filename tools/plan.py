@@ -36,34 +36,24 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
+def _number(convert: type, accept, what: str):
+    """An argparse type: `convert(text)`, kept when `accept(value)`, else 'must be <what>'."""
+
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+        if not accept(value):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {value:g}")
+        return value
+
+    return parse
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {value:g}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value:g}")
-    return value
+_positive_int = _number(int, lambda v: v > 0, "a positive integer")
+_positive_float = _number(float, lambda v: v > 0, "a positive number")
+_fraction = _number(float, lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]")
 
 
 def _int_list(text: str) -> tuple[int, ...]:

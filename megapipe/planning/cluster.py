@@ -21,7 +21,7 @@ GIB = 1024.0**3
 # The matmul efficiency (achievable fraction of the dense peak) of the GPU presets, calibrated
 # on the first row of Megatron-LM's weak-scaling table (GPT 1.7B on 32 A100s, TP1 PP1 DP32,
 # 137 TFLOP/s per GPU): benchmarks/bench_planner.py --published recomputes it.
-GPU_MATMUL_EFFICIENCY = 0.50
+GPU_MATMUL_EFFICIENCY = 0.48
 
 
 @dataclass(frozen=True)
