@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from megapipe.testing import run_distributed
 from tests.elastic_launch import ForkedJob, fork_job
 
 WATCHDOG_MIN_S, WATCHDOG_FACTOR, SHUTDOWN_S = 3.0, 5.0, 2
@@ -132,3 +133,20 @@ def test_every_rank_is_gone_in_time_and_survivors_name_the_operation(
     assert took < bound, f"{took:.1f} s\n{job.text()[-3000:]}"
     assert _gone(victim_pid)
     print(f"{group} {action}: survivors out {survivors:.1f} s, every rank {took:.1f} s after")
+
+
+def _group_timeouts(rank: int, world_size: int) -> dict[str, float]:
+    import torch
+
+    from megapipe.parallel.state import ParallelState
+
+    state = ParallelState.build(2, 1)
+    groups = {"tp": state.tp.pg, "world": state.world.pg, "model_parallel": state.model_parallel.pg}
+    cpu = torch.device("cpu")
+    return {k: g._get_backend(cpu).options._timeout.total_seconds() for k, g in groups.items()}
+
+
+def test_every_subgroup_has_the_default_groups_timeout() -> None:
+    # run_distributed's default group times out after 37 s; torch's new_group would give 1800
+    timeouts = run_distributed(_group_timeouts, 2, timeout=37)
+    assert timeouts == [{"tp": 37.0, "world": 37.0, "model_parallel": 37.0}] * 2
