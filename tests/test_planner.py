@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from megapipe.config import ModelConfig, OptimizerConfig, RecomputeConfig
+from megapipe.config import ModelConfig
 from megapipe.model.activation_memory import layer_activation_bytes
 from megapipe.pipeline.partition import partition_layers
 from megapipe.pipeline.schedules import SCHEDULE_KINDS
@@ -207,12 +207,13 @@ def test_cli_prints_the_ranking_and_why(capsys) -> None:
     code = plan_tool.main(["--num-layers", "8", "--hidden-size", "256", "--num-attention-heads",
                            "8", "--seq-length", "128", "--vocab-size", "1000",
                            "--global-batch-size", "16", "--gpus-per-node", "4", "--top", "3",
-                           "--show-rejected"])  # fmt: skip
+                           "--show-rejected", "--explain"])  # fmt: skip
     out = capsys.readouterr().out
     assert code == 0
     assert "rank | layout" in out and "   1 | TP" in out and "   3 | TP" in out
     assert "why #1" in out and "compute" in out and "DP comm" in out and "optimizer" in out
-    assert "rejected:\n" in out
+    assert out.count("       step ") == 3  # --explain: the terms under each listed layout
+    assert "rejected:\n" in out and "GiB usable" not in out  # the tiny model fits 80 GiB anyhow
 
 
 @pytest.mark.parametrize(
@@ -250,4 +251,3 @@ def test_presets_are_the_published_layouts() -> None:
         312.0, 8, 300.0, 25.0)  # fmt: skip
     h100 = PRESETS["dgx-h100"]
     assert (h100.peak_tflops, h100.intra_node_gbps, h100.inter_node_gbps) == (989.4, 450.0, 50.0)
-    assert OptimizerConfig().optimizer == "adam" and RecomputeConfig().granularity is None
