@@ -43,7 +43,7 @@ from megapipe.checkpointing.shards import TensorShard
 from megapipe.checkpointing.torch_dist import load_common, load_sharded, save_sharded
 from megapipe.data.indexed_builder import IndexedDatasetBuilder
 from megapipe.data.tool_cli import run_tool
-from megapipe.errors import ConfigError
+from megapipe.errors import ConfigError, flag
 from tests.test_arguments import argv
 from tests.test_pretrain_cli import _env as pretrain_env
 from tests.test_torch_dist import _Evil, _refresh_checksums
@@ -183,6 +183,11 @@ ELSEWHERE_FLAGS = [
     Bad("Adam beta out of range", "--adam-beta2 must be in [0, 1), got 1.5", "use a value "
         "in [0, 1)",
         "tests/test_arguments.py::test_adam_beta_out_of_range", key="--adam-beta2"),
+    Bad("--transformer-impl transformer_engine without TransformerEngine", "--transformer-impl "
+        "transformer_engine: TransformerEngine is not installed (it needs CUDA: pip install "
+        "transformer_engine[pytorch]); use --transformer-impl local", "install TransformerEngine "
+        "on a CUDA machine, or use --transformer-impl local", "tests/test_transformer_engine.py::"
+        "test_transformer_engine_flag_without_te_names_what_is_missing", key="not installed"),
     Bad("--fp8-format without --transformer-impl transformer_engine", "--fp8-format hybrid "
         "needs --transformer-impl transformer_engine", "FP8 GEMMs are TransformerEngine's: add "
         "--transformer-impl transformer_engine (on a GPU)", "tests/test_transformer_engine.py::"
@@ -213,6 +218,7 @@ ELSEWHERE_FLAGS = [
 ]  # fmt: skip
 
 B = Bad
+NULL_TOKENIZER = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "256"]
 FLAG_CASES: list[tuple[Bad, dict, list[str], int]] = [
     (B("--spiky-loss-factor 0", "--spiky-loss-factor must be positive, got 0.0",
        "use a factor above 1 (a loss that many times the running average is a spike)"),
@@ -227,6 +233,24 @@ FLAG_CASES: list[tuple[Bad, dict, list[str], int]] = [
      {"exit_signal": "SIGFOO"}, [], 1),
     (B("an absurd --num-layers", "--num-layers (9223372036854775808) exceeds 100,000, far "
        "beyond any model that trains", "use the real depth"), {"num_layers": 2**63}, [], 8),
+    *[(B(f"--{name.replace('_', '-')} 0", f"--{name.replace('_', '-')} must be positive, got 0",
+         "use a positive value"), {name: 0, **others}, [], 1)
+      for name, others in (("num_layers", {}), ("hidden_size", {}), ("num_attention_heads", {}),
+                           ("seq_length", {}), ("ffn_hidden_size", {}),
+                           ("tensor_model_parallel_size", {}), ("micro_batch_size", {}),
+                           ("global_batch_size", {}), ("initial_loss_scale", {"fp16": True}),
+                           ("min_loss_scale", {"fp16": True}),
+                           ("loss_scale_window", {"fp16": True}))],
+    (B("--tensorboard-dir naming a file", ": exists and is not a directory",
+       "point it at a directory (it is created if missing)"), {"tensorboard_dir": __file__}, [],
+     1),
+    (B("an interleaved schedule without virtual stages", "--pipeline-schedule interleaved-1f1b "
+       "needs virtual pipeline stages", "add --num-virtual-stages-per-pipeline-rank N (or "
+       "--num-layers-per-virtual-pipeline-stage), or use 1f1b"),
+     {"pipeline_model_parallel_size": 2, "pipeline_schedule": "interleaved-1f1b"}, [], 2),
+    (B("an empty --data-path", "--data-path needs at least one dataset prefix",
+       "give the dataset prefix"), {"mock_data": None, "vocab_size": None},
+     ["--data-path", "", *NULL_TOKENIZER], 1),
     (B("mock data without a vocabulary size", "--mock-data needs --vocab-size (or "
        "--tokenizer-type, whose vocabulary size is used)", "add --vocab-size N (or a tokenizer)"),
      {"vocab_size": None}, [], 1),
@@ -338,7 +362,7 @@ FLAG_CASES: list[tuple[Bad, dict, list[str], int]] = [
        "name a module, or leave the flag out"),
      {"recompute_granularity": "selective"}, ["--recompute-modules"], 1),
     (B("a ramp-up with a zero increment", "--rampup-batch-size 2 0 8: start and increment "
-       "must be positive", "use positive start and increment"),
+       "must be positive and the ramp-up samples non-negative", "use positive start and increment"),
      {"global_batch_size": 8}, ["--rampup-batch-size", "2", "0", "8"], 1),
     (B("a ramp-up starting above the global batch", "--rampup-batch-size start (16) exceeds "
        "--global-batch-size (8)", "start below --global-batch-size"),
@@ -480,9 +504,10 @@ ELSEWHERE_DATA = [
         "dataset)", "--data-path takes the prefix without .bin/.idx (preprocess_data.py writes "
         "{output_prefix}_text_document)",
         "tests/test_data_training.py::test_bad_data_flags_are_one_line_errors"),
-    Bad("--data-path without a tokenizer", "--data-path needs --tokenizer-type",
-        "add --tokenizer-type (and its model or vocab files)",
-        "tests/test_data_training.py::test_bad_data_flags_are_one_line_errors"),
+    Bad("--data-path without a tokenizer", "--data-path needs --tokenizer-type (the vocabulary "
+        "size comes from the tokenizer)", "add --tokenizer-type (and its model or vocab files)",
+        "tests/test_data_training.py::test_bad_data_flags_are_one_line_errors",
+        key="--data-path needs --tokenizer-type"),
     Bad("a --split that leaves nothing for training", "leaves nothing for training",
         "give the training split a share",
         "tests/test_data_training.py::test_bad_data_flags_are_one_line_errors"),
@@ -500,9 +525,14 @@ ELSEWHERE_DATA = [
     Bad("--data-cache-path that is a file", "exists and is not a directory",
         "point it at a directory", "tests/test_data_training.py::"
         "test_bad_data_flags_are_one_line_errors"),
-    Bad("--data-path with --mock-data, or with --train-data-path", "cannot be combined",
-        "keep one data source", "tests/test_data_training.py::"
-        "test_bad_data_flags_are_one_line_errors"),
+    Bad("--data-path with --mock-data", "--mock-data cannot be combined with --data-path or "
+        "--train-data-path", "keep one data source", "tests/test_data_training.py::"
+        "test_bad_data_flags_are_one_line_errors", key="cannot be combined"),
+    Bad("--data-path with --train-data-path", "--data-path and --train-data-path cannot be "
+        "combined: use --data-path with --split, or --train-data-path (with --valid-data-path, "
+        "--test-data-path)", "keep one of them", "tests/test_data_training.py::"
+        "test_bad_data_flags_are_one_line_errors",
+        key="--data-path and --train-data-path cannot be combined"),
     Bad("a missing --tokenizer-model", "--tokenizer-model", "fix the path: every tokenizer is "
         "read from local files, nothing is downloaded",
         "tests/test_tokenizers.py::test_missing_and_broken_files_are_named"),
@@ -534,8 +564,6 @@ ELSEWHERE_DATA = [
         "the .bin does not match its .idx: copy both again, or regenerate",
         "tests/test_indexed_dataset.py::test_bin_problems_and_missing_files_are_named"),
 ]  # fmt: skip
-
-NULL_TOKENIZER = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "256"]
 
 
 @pytest.fixture(scope="module")
@@ -1016,6 +1044,87 @@ def test_rows_tested_elsewhere_name_a_test_that_checks_the_message(bad: Bad) -> 
     assert name in functions, f"{bad.tested} does not exist"
     fragment = bad.key or bad.says  # in the test itself, or in a table of cases it reads
     assert fragment in functions[name] or fragment in module, f"{path} never says {fragment!r}"
+
+
+# Where the flags are refused: every rejection site in these modules must have a catalogue row.
+SITE_FILES = [
+    *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "megapipe" / "arguments").glob("*.py")),
+    "megapipe/training/lr_schedule.py", "megapipe/training/batch_size.py",
+    "megapipe/pipeline/partition.py", "megapipe/pipeline/schedules.py",
+    "megapipe/checkpointing/checkpointer.py", "megapipe/data/splits.py",
+    "megapipe/data/blending.py",
+]  # fmt: skip
+# Sites no flag can reach (a check above them refuses first, or only a library caller can).
+UNREACHABLE = {
+    "--fp8-format with --recompute-granularity": "megatron_compat.py still refuses --fp8-format",
+    "--lr is required": "argparse requires --lr first",
+    "--lr-decay-iters or --train-iters is required": "--train-iters is always set by then",
+    "--lr-decay-iters defaults to --train-iters, which must be positive": "validate_training",
+    "--global-batch-size must be positive, got": "validate_training checks it first",
+    "pipeline size (": "validate_parallel and the batch checks come first",
+    "virtual pipeline stages need --pipeline-model-parallel-size > 1 (with": "validate_pipeline",
+    "is outside a pipeline of": "a library caller's rank",
+    "a blend needs 1..32767 datasets": "32768 --data-path prefixes",
+    "samples of dataset": "found while building the blend (DataError, one line, exit 1)",
+}
+
+
+def _literals(node: ast.AST) -> list[str]:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    if isinstance(node, ast.JoinedStr):
+        return [v.value for v in node.values if isinstance(v, ast.Constant)]
+    if isinstance(node, ast.BinOp):
+        return _literals(node.left) + _literals(node.right)
+    return []
+
+
+def rejection_sites(path: str) -> list[tuple[int, list[str]]]:
+    """(line, the literal pieces of its message) for every refusal in `path`: `raise
+    ConfigError/DataError(...)`, `_require(cond, message)`, `_positive(name=...)`,
+    `_divisible((flag, n), (flag, d))`. Messages built elsewhere (no literal) are left out."""
+    found = []
+    for node in ast.walk(ast.parse((ROOT / path).read_text())):
+        if not isinstance(node, (ast.Raise, ast.Call)):
+            continue
+        call = node.exc if isinstance(node, ast.Raise) else node
+        name = getattr(getattr(call, "func", None), "id", "")
+        if isinstance(node, ast.Raise) and name in ("ConfigError", "DataError") and call.args:
+            pieces = _literals(call.args[0])
+        elif isinstance(node, ast.Call) and name == "_require" and len(call.args) == 2:
+            pieces = _literals(call.args[1])
+        elif isinstance(node, ast.Call) and name == "_positive":
+            for keyword in (k for k in call.keywords if k.arg):  # not **{name: value}
+                found.append((node.lineno, [f"{flag(keyword.arg)} must be positive"]))
+            continue
+        elif isinstance(node, ast.Call) and name == "_divisible":
+            (a, _), (b, _) = (arg.elts for arg in call.args)
+            pieces = [f"{a.value} (", f"must be divisible by {b.value} ("]
+        else:
+            continue
+        pieces = [piece.strip() for piece in pieces if len(piece.strip()) >= 6]
+        if pieces:
+            found.append((node.lineno, pieces))
+    return found
+
+
+def _covered(pieces: list[str], messages: list[str]) -> bool:
+    if len(pieces) == 2 and pieces[1].startswith("must be divisible by"):  # both flags named
+        return any(all(piece in m for piece in pieces) for m in messages)
+    return any(p in m or (len(m) >= 20 and m in p) for p in pieces for m in messages)
+
+
+def test_every_rejection_site_of_the_flags_has_a_row() -> None:
+    messages = [text for rows in CATALOGUE.values() for bad in rows
+                for text in (bad.says, bad.key) if text]  # fmt: skip
+    missing = [
+        f"{path}:{line}: {pieces[0]!r}"
+        for path in SITE_FILES
+        for line, pieces in rejection_sites(path)
+        if not _covered(pieces, messages)
+        and not any(key in piece for key in UNREACHABLE for piece in pieces)
+    ]
+    assert not missing, "refusals without a catalogue row:\n" + "\n".join(missing)
 
 
 def test_every_row_is_described_once() -> None:
