@@ -37,8 +37,8 @@ def memory_terms(entry: Evaluated) -> str:
 def _row(rank: int, entry: Evaluated) -> str:
     t = entry.time
     return (
-        f"{rank:4d} | {entry.layout.describe():<58} | {t.bubble_fraction:6.1%} | "
-        f"{t.total:9.3f} | {t.tflops_per_gpu:7.1f} | {entry.memory.total / GIB:7.1f}"
+        f"{rank:4d} | {entry.layout.describe():<64} | {t.bubble_fraction:6.1%} | "
+        f"{t.total:8.3f} | {t.tflops_per_gpu:7.1f} | {entry.memory.total / GIB:7.1f}"
     )
 
 
@@ -89,7 +89,7 @@ def format_plan(
     )
     if plan.ranked:
         lines.append("")
-        lines.append(f"rank | {'layout':<58} | bubble | step (s) | TFLOP/s | mem GiB")
+        lines.append(f"rank | {'layout':<64} | bubble | step (s) | TFLOP/s | mem GiB")
         for rank, entry in enumerate(plan.ranked[:top], 1):
             lines.append(_row(rank, entry))
             if explain:
