@@ -33,28 +33,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from megapipe.testing import run_distributed, train_with_flags  # noqa: E402
+from tests.test_auto_resume import FLAGS as TEST_FLAGS  # noqa: E402
+from tests.test_auto_resume import LOG, numbers  # noqa: E402
 
 TRAIN_ITERS = 10
-FLAGS = [
-    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-    "--seq-length", "16", "--mock-data", "--vocab-size", "128", "--micro-batch-size", "1",
-    "--global-batch-size", "4", "--lr", "3e-3", "--log-interval", "1",
-    "--train-iters", str(TRAIN_ITERS), "--eval-interval", "4", "--eval-iters", "1",
-    "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-    "--attention-dropout", "0.1", "--hidden-dropout", "0.1", "--seed", "11",
-]  # fmt: skip
+# the auto-resume test's job (TP2 x PP2, dropout, evaluation), longer and with another seed
+CHANGES = {"--train-iters": str(TRAIN_ITERS), "--eval-interval": "4", "--seed": "11"}
+FLAGS = [CHANGES.get(TEST_FLAGS[i - 1], v) if i else v for i, v in enumerate(TEST_FLAGS)]
 MOMENTS = ("forward", "backward", "optimizer", "save", "eval")
-ELAPSED = re.compile(r" elapsed time per iteration \(ms\): [\d.]+ \|")
-NUMBERS = re.compile(r"^ (iteration +(\d+)/| validation loss at )")
-
-
-def numbers(stdout: str) -> list[str]:
-    lines = [ELAPSED.sub("", line) for line in stdout.splitlines()]
-    return [line for line in lines if NUMBERS.match(line)]
 
 
 def iterations(lines: list[str]) -> set[int]:
-    return {int(m[2]) for m in map(NUMBERS.match, lines) if m and m[2]}
+    return {int(m[1]) for m in map(LOG.match, lines) if m}
 
 
 def _env(fault: str | None) -> dict[str, str]:

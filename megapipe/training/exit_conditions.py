@@ -162,8 +162,8 @@ class ExitCheck:
         catcher: SignalCatcher | TeardownReport | None = None
         if training.exit_signal_handler:
             catcher = SignalCatcher((signal.SIGTERM, signal.SIGINT, training.exit_signal))
-        elif activity is not None:
-            catcher = TeardownReport(activity)
+        elif activity is not None and threading.current_thread() is threading.main_thread():
+            catcher = TeardownReport(activity)  # (only the main thread may install handlers)
         return cls(training, state, time.monotonic(), catcher, activity)
 
     def reason(self, iteration: int) -> str | None:
