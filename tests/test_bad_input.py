@@ -13,7 +13,11 @@ checks that the named test exists and holds the message. Everything else runs he
   (exit 1), with the output directory checked unchanged;
 - checkpoints, through the loaders, with the checkpoint checked unchanged after the refusal;
 - once per command-line program, as a real subprocess: one line on stderr, the exit status, no
-  traceback, nothing written; and with `--debug`, the traceback above the same line.
+  traceback, nothing written; and (in process) with `--debug` or MEGAPIPE_DEBUG=1, the
+  traceback above the same line.
+
+A last test parses the flag side (arguments/, the LR and batch schedules, partition, schedules,
+checkpointer, splits, blending) for every refusal and fails when one has no row here.
 """
 
 from __future__ import annotations
