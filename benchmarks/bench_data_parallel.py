@@ -54,7 +54,7 @@ from megapipe.data.sources import build_batch_source
 from megapipe.layers.cross_entropy import masked_mean
 from megapipe.parallel.state import ParallelState
 from megapipe.testing import run_distributed
-from megapipe.training.step import train_step
+from megapipe.training.step import GlobalBatch, train_step
 from megapipe.training.train import build_executor, build_model_chunks_for, build_optimizer
 
 DEFAULT_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "data_parallel.json")
@@ -125,16 +125,18 @@ class MegapipeRun:
         self.iteration = 0
 
     def step(self) -> tuple[float, float]:
-        lr = self.configs.training.lr
+        training = self.configs.training
+        size = training.global_batch_size
+        batch = GlobalBatch(self.iteration * size, size, training.micro_batch_size, self.state)
         result = train_step(
             self.chunks,
             self.optimizer,
             self.executor,
             self.data,
-            self.configs,
+            batch,
             self.state,
-            self.iteration,
-            lr,
+            lr=training.lr,
+            iteration=self.iteration + 1,
         )
         self.iteration += 1
         return result.lm_loss, result.grad_norm
