@@ -44,6 +44,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from round_args import add_round_args, parse_round_args  # noqa: E402
+
 from megapipe.atomic_files import write_json  # noqa: E402
 
 DEFAULT_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "megatron_core.json")
@@ -259,16 +261,9 @@ def run_layout(layout: str, args: argparse.Namespace) -> dict:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layouts", nargs="+", choices=tuple(LAYOUTS), default=list(LAYOUTS))
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--rounds", type=int, default=12)
-    p.add_argument("--steps", type=int, default=3, help="timed steps per framework per round")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--json", default=DEFAULT_JSON, help="'' to skip writing")
-    p.add_argument("--quick", action="store_true", help="1 warm-up step, 3 rounds of 2 steps")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.warmup, args.rounds, args.steps = 1, 3, 2
-    return args
+    add_round_args(p, warmup=3, rounds=12, steps=3, default_json=DEFAULT_JSON)
+    return parse_round_args(p, argv)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from round_args import add_round_args, parse_round_args
 from torch import nn
 
 from megapipe.atomic_files import write_json
@@ -118,17 +119,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=4096, help="a multiple of 128 (no padding)")
     p.add_argument("--dropout", type=float, default=0.0, help="attention and hidden, both models")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps per model")
-    p.add_argument("--rounds", type=int, default=40, help="alternating timed rounds")
-    p.add_argument("--steps", type=int, default=2, help="timed steps per model per round")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--json", default=DEFAULT_JSON, help="'' to skip writing")
-    p.add_argument("--quick", action="store_true", help="1 warm-up step, 3 rounds of 2 steps")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.warmup, args.rounds, args.steps = 1, 3, 2
-    return args
+    add_round_args(p, warmup=5, rounds=40, steps=2, default_json=DEFAULT_JSON)
+    return parse_round_args(p, argv)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -31,6 +31,9 @@ from collections.abc import Callable
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from round_args import add_round_args, parse_round_args  # noqa: E402
 
 from megapipe.atomic_files import write_json  # noqa: E402
 
@@ -207,16 +210,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="what a step's time is: this process's CPU time (default; with one thread the "
         "steadier measure on a shared machine) or wall time",
     )
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--rounds", type=int, default=30)
-    p.add_argument("--steps", type=int, default=3, help="timed steps per side per round")
     p.add_argument("--profile", action="store_true", help="print torch.profiler tables")
-    p.add_argument("--json", default=DEFAULT_JSON, help="'' to skip writing")
-    p.add_argument("--quick", action="store_true", help="1 warm-up step, 3 rounds of 2 steps")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.warmup, args.rounds, args.steps = 1, 3, 2
-    return args
+    add_round_args(p, warmup=5, rounds=30, steps=3, default_json=DEFAULT_JSON)
+    return parse_round_args(p, argv)
 
 
 def main(argv: list[str] | None = None) -> dict:
