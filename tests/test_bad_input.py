@@ -25,6 +25,7 @@ from __future__ import annotations
 import ast
 import functools
 import hashlib
+import importlib
 import importlib.util
 import json
 import os
@@ -740,6 +741,46 @@ def test_bad_tool_flags_are_one_line(tmp_path: Path, capsys) -> None:
     assert lines == ["preprocess_data.py: error: argument --workers: invalid int value: 'two' "
                      "(see --help)"]  # fmt: skip
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    ("tool", "argv", "status", "line"),
+    [
+        (
+            "generate_text",
+            ["--load", "x", "--top-k", "many"],
+            2,
+            "generate_text.py: error: argument --top-k: invalid int value: 'many' (see --help)",
+        ),
+        (
+            "run_text_generation_server",
+            ["--port", "eighty"],
+            2,
+            "run_text_generation_server.py: "
+            "error: argument --port: invalid int value: 'eighty' (see --help)",
+        ),
+        (
+            "plot_schedule",
+            ["--output", "x.png", "--schedule", "1f1b", "--pp", "0"],
+            1,
+            "plot_schedule.py: error: pipeline size (0), virtual stages (1) and micro-batches (8) "
+            "must all be positive",
+        ),
+    ],
+)
+def test_the_inference_and_plot_tools_fail_in_one_line(tool, argv, status, line, capsys) -> None:
+    """--debug prints the traceback above the same line."""
+    module = importlib.import_module(tool)
+    for debug in ([], ["--debug"]):
+        try:
+            code = module.main(argv + debug)
+        except SystemExit as exit_:
+            code = exit_.code
+        assert code == status
+        captured = capsys.readouterr()
+        lines = (captured.err or captured.out).strip().splitlines()
+        assert lines[-1] == line
+        assert len(lines) == 1 or (debug and "Traceback" in lines[0] and status == 1)
 
 
 # --- checkpoints ----------------------------------------------------------------------------

@@ -30,7 +30,8 @@ from megapipe.atomic_files import atomic_write  # noqa: E402
 from megapipe.checkpointing.errors import CheckpointError  # noqa: E402
 from megapipe.data.errors import DataError  # noqa: E402
 from megapipe.data.tokenizers.null_tokenizer import NullTokenizer  # noqa: E402
-from megapipe.errors import ConfigError  # noqa: E402
+from megapipe.data.tool_cli import OneLineParser  # noqa: E402
+from megapipe.errors import ConfigError, error_line, split_debug  # noqa: E402
 from megapipe.inference.generation import GenerationError, generate  # noqa: E402
 from megapipe.inference.session import (  # noqa: E402
     add_model_flags,
@@ -44,7 +45,7 @@ PROG = "generate_text.py"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0])
     add_model_flags(parser)
     add_sampling_flags(parser)
     group = parser.add_argument_group("generation")
@@ -76,11 +77,12 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """One rank of the job; returns its exit status."""
+    argv, debug = split_debug(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     try:
         return _run(args)
     except (GenerationError, CheckpointError, ConfigError, DataError) as error:
-        print_once(f"{PROG}: error: {error}")
+        print_once(error_line(PROG, error, debug))
         return 2
     finally:
         if dist.is_initialized():

@@ -18,8 +18,9 @@ import importlib.util
 import sys
 from collections.abc import Sequence
 
-from megapipe.errors import ConfigError
-from megapipe.pipeline.schedules import SCHEDULE_KINDS
+from megapipe.data.tool_cli import OneLineParser
+from megapipe.errors import ConfigError, error_line, split_debug
+from megapipe.pipeline.schedules import SCHEDULE_KINDS, validate_schedule
 from megapipe.pipeline.timeline import (
     TraceFormatError,
     load_trace,
@@ -31,7 +32,7 @@ PROG = "plot_schedule.py"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0])
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--schedule", choices=SCHEDULE_KINDS, help="Simulate this schedule.")
     source.add_argument("--trace", help="Chrome-trace JSON written by --pipeline-trace.")
@@ -44,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv, debug = split_debug(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     if importlib.util.find_spec("matplotlib") is None:
         print(
@@ -58,9 +60,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.trace:
             timeline = measured_timeline(load_trace(args.trace), args.step)
         else:
+            validate_schedule(args.schedule, args.pp, args.vp, args.microbatches)
             timeline = simulated_timeline(args.schedule, args.pp, args.vp, args.microbatches)
     except (ConfigError, TraceFormatError) as error:
-        print(f"{PROG}: error: {error}", file=sys.stderr)
+        print(error_line(PROG, error, debug), file=sys.stderr)
         return 1
     draw_timeline(timeline, args.output)
     first, *rest = timeline.title.splitlines()
