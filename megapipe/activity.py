@@ -8,7 +8,8 @@ watchdog, or an error naming where a rank was when its peer vanished). Writes ar
 attribute assignments, so the watchdog thread always reads a consistent record.
 
 Components that wait receive the Activity as an argument (never a global); each defaults to
-its own idle record, so code built without one (tests, tools) behaves as before.
+its own idle record, so code built without one (tests, tools) behaves as before. The module
+sits at the package's top because pipeline/ and distributed/, which training/ imports, use it.
 """
 
 from __future__ import annotations
