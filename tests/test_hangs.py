@@ -150,3 +150,28 @@ def test_every_subgroup_has_the_default_groups_timeout() -> None:
     # run_distributed's default group times out after 37 s; torch's new_group would give 1800
     timeouts = run_distributed(_group_timeouts, 2, timeout=37)
     assert timeouts == [{"tp": 37.0, "world": 37.0, "model_parallel": 37.0}] * 2
+
+
+def test_the_watchdog_times_steps_whole_and_other_phases_by_their_progress() -> None:
+    from megapipe.activity import Activity
+    from megapipe.training.watchdog import Watchdog, WatchdogSettings
+
+    activity = Activity()
+    watchdog = Watchdog(activity, WatchdogSettings(factor=5.0, min_seconds=3.0, max_seconds=10.0))
+    activity.begin("step", 1)
+    start = activity.phase[2]
+    assert watchdog.overdue(start + 9.0) is None  # no median yet: the 10 s bound
+    assert "the step has made no progress for 10.5 s" in watchdog.overdue(start + 10.5)
+    activity.step_seconds.extend([1.0, 1.0, 2.0])  # median 1 s: 5 s bound from the step's start
+    activity.enter("recv", "receive from pipeline rank {}", 1)
+    assert watchdog.overdue(start + 4.9) is None
+    late = watchdog.overdue(start + 5.1)
+    assert "the step has run 5.1 s, past its bound of 5.0 s (5 x the median step time 1.00" in late
+    assert "in receive from pipeline rank 1" in late
+    activity.begin("evaluation", 1)
+    begun = activity.phase[2]
+    for batch in range(30):  # 30 batches of 1 s: far past 10 s in all, but progressing
+        activity.current = ("eval", "forward of micro-batch {}", (batch,), begun + batch)
+        assert watchdog.overdue(begun + batch + 1.0) is None
+    stuck = watchdog.overdue(begun + 29 + 11.0)
+    assert "the evaluation has made no progress for 11.0 s" in stuck

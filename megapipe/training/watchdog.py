@@ -5,7 +5,8 @@ timeout covers (an NCCL kernel that never completes, a peer that stalls between 
 and a timeout's own error rarely says which of the step's many operations was stuck. The
 watchdog reads the rank's `Activity` once every poll: when the current step has run longer
 than `factor` x the median of the recent steps (and at least `min_seconds`), or any other
-phase (the first step, an evaluation, a save) longer than `max_seconds`, it prints one line
+phase (the first step, an evaluation, a save) has made no progress (entered no new
+operation) for `max_seconds`, it prints one line
 naming the phase and the operation this rank is waiting in, then ends the process with
 `os._exit` (a thread cannot interrupt a collective that is stuck in C++, and no cleanup that
 might wait on a dead peer runs). The launcher then sees a failed rank: torchrun tears the
@@ -75,16 +76,24 @@ class Watchdog:
         return s.max_seconds, f"--watchdog-max-seconds {s.max_seconds:g}, {what}"
 
     def overdue(self, now: float | None = None) -> str | None:
-        """The message to exit with when the current phase has run past its bound, else None."""
+        """The message to exit with when the current phase has run past its bound, else None.
+
+        A step is timed as a whole once there is a median to compare with; anything else (an
+        evaluation of many batches, a save, the first step) by the time since its last
+        operation began, so a long evaluation that keeps making progress is never cut short."""
         phase, _, since = self.activity.phase
         if phase in IDLE_PHASES:
             return None
-        elapsed = (time.monotonic() if now is None else now) - since
         bound, why = self.bound()
+        timed_whole = phase == "step" and self.activity.median_step_seconds() is not None
+        if not timed_whole:
+            since = max(since, self.activity.current[3])
+        elapsed = (time.monotonic() if now is None else now) - since
         if elapsed <= bound:
             return None
+        ran = "has run" if timed_whole else "has made no progress for"
         return (
-            f"megapipe watchdog: {self.activity.where()}: the {phase} has run {elapsed:.1f} s, "
+            f"megapipe watchdog: {self.activity.where()}: the {phase} {ran} {elapsed:.1f} s, "
             f"past its bound of {bound:.1f} s ({why}); a peer is probably dead or stalled; "
             f"exiting with status {self.exit_status}"
         )
