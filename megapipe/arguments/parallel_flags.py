@@ -132,9 +132,9 @@ def add_distributed_args(group: argparse._ArgumentGroup) -> None:
         "--watchdog-max-seconds",
         type=_seconds,
         default=None,
-        help="How long the watchdog lets anything without a step-time history run (the first "
-        "step, an evaluation, a checkpoint save). Default: --distributed-timeout-minutes "
-        "plus one minute.",
+        help="How long the watchdog lets anything without a step-time history (the first "
+        "step, an evaluation, a checkpoint save) go without starting a new operation. "
+        "Default: --distributed-timeout-minutes plus one minute.",
     )
     group.add_argument(
         "--distributed-backend",
