@@ -48,6 +48,7 @@ from megapipe.pipeline.trace import TraceRecorder
 
 Key = tuple[int, int]  # (microbatch, local chunk)
 Transfer = tuple[P2P, torch.Tensor, Callable[[], None] | None]
+BufferSpec = Callable[[P2P], tuple[tuple[int, ...], torch.dtype]]
 
 
 def _free_data(tensor: torch.Tensor) -> bool:
@@ -110,6 +111,7 @@ class PipelineExecutor:
         batch_on_every_stage: bool = False,
         post_ahead: bool = False,
         weight_grad_stores: Sequence[WeightGradStore] | None = None,
+        buffer_spec: BufferSpec | None = None,
     ) -> None:
         self.chunks = list(chunks)
         self.state = state
@@ -131,6 +133,9 @@ class PipelineExecutor:
         # Per-document attention masks (--reset-attention-mask) are needed by every stage;
         # otherwise only the first stage reads tokens and the last labels and loss mask.
         self.batch_on_every_stage = batch_on_every_stage
+        # (shape, dtype) of what a receive fills, when stages exchange tensors of other shapes
+        # than the GPT's activations (megapipe.pipeline.pipe.Pipe over any nn.Sequential).
+        self.buffer_spec = buffer_spec
         # How many of this rank's chunks read each micro-batch (to read it once per step).
         self._batch_readers = sum(
             1 for c in range(len(self.chunks)) if self._reads_batch(self._stage(c))
@@ -152,6 +157,7 @@ class PipelineExecutor:
             post_ahead=self.post_ahead,
             weight_grad_stores=self.weight_grad_stores,
             batch_on_every_stage=self.batch_on_every_stage,
+            buffer_spec=self.buffer_spec,
         )
 
     def run(
@@ -271,7 +277,10 @@ class PipelineExecutor:
         """The tensor `op` sends or receives into, and what to do once a send has completed."""
         key = (op.microbatch, op.chunk)
         if op.op == "recv":
-            buffer = torch.empty(self.activation_shape, dtype=self.dtype, device=self.state.device)
+            shape, dtype = (
+                self.buffer_spec(op) if self.buffer_spec else (self.activation_shape, self.dtype)
+            )
+            buffer = torch.empty(shape, dtype=dtype, device=self.state.device)
             if op.phase == "B":
                 step.output_grads[key] = buffer
             else:

@@ -28,6 +28,7 @@ from torch import nn
 from megapipe.data.batch import TrainingBatch
 from megapipe.errors import ConfigError
 from megapipe.model.activation_memory import saved_activation_bytes
+from megapipe.parallel.initialize import default_group_timeout
 from megapipe.parallel.state import Group, ParallelState
 from megapipe.pipeline.executor import PipelineExecutor
 from megapipe.pipeline.p2p import P2PCommunicator
@@ -292,7 +293,9 @@ def _pipeline_state(group: dist.ProcessGroup | None, device: torch.device) -> Pa
     if not dist.is_initialized():
         one = ParallelState.single(device)
         return one
-    pg = group if group is not None else dist.new_group(list(range(dist.get_world_size())))
+    if group is None:  # its own group, with the job's timeout (new_group's default is 30 min)
+        group = dist.new_group(list(range(dist.get_world_size())), timeout=default_group_timeout())
+    pg = group
     ranks = tuple(dist.get_process_group_ranks(pg))
     me = dist.get_rank()
     single = Group.single(me)
