@@ -233,6 +233,9 @@ FLAG_CASES: list[tuple[Bad, dict, list[str], int]] = [
      {"overlap_param_gather": True}, [], 1),
     (B("a negative watchdog bound", "argument --watchdog-min-seconds: '-1' is not a "
        "non-negative number", "use seconds >= 0"), {"watchdog_min_seconds": -1}, [], 1),
+    (B("--watchdog-max-seconds 0", "--watchdog-max-seconds must be positive, got 0.0",
+       "use seconds > 0 (it bounds the first step, evaluations and saves)"),
+     {"watchdog_max_seconds": 0}, [], 1),
     (B("an --exit-signal that is not a signal", "argument --exit-signal: 'SIGFOO' is not a "
        "signal that can be caught", "use a name like SIGUSR1 or USR1, or a number"),
      {"exit_signal": "SIGFOO"}, [], 1),

@@ -113,6 +113,8 @@ def validate_parallel(parallel: ParallelConfig, world_size: int) -> None:
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         distributed_timeout_minutes=parallel.distributed_timeout_minutes,
     )
+    if parallel.watchdog_max_seconds is not None:  # 0 would end the first step at once
+        _positive(watchdog_max_seconds=parallel.watchdog_max_seconds)
     model_parallel = parallel.model_parallel_size
     _require(
         world_size % model_parallel == 0,
