@@ -54,8 +54,8 @@ from megapipe.data.sources import build_batch_source
 from megapipe.layers.cross_entropy import masked_mean
 from megapipe.parallel.state import ParallelState
 from megapipe.testing import run_distributed
-from megapipe.training.step import GlobalBatch, train_step
-from megapipe.training.train import build_executor, build_model_chunks_for, build_optimizer
+from megapipe.training.stepper import Stepper
+from megapipe.training.train import build_model_chunks_for
 
 DEFAULT_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "data_parallel.json")
 VARIANT_FLAGS = {
@@ -116,29 +116,13 @@ class MegapipeRun:
         self.configs = configs = parse_megatron_args(argv, world_size)
         self.state = state = state or ParallelState.build(1, 1)
         with _quiet():
-            self.chunks = build_model_chunks_for(configs, state)
-            if keep_initial:  # a copy of the initial weights, to compare with DDP's
-                self.initial = {n: p.detach().clone() for n, p in self.chunks[0].named_parameters()}
-            self.executor = build_executor(self.chunks, configs, state)
-            self.optimizer = build_optimizer(self.chunks, configs, state)
-            self.data = build_batch_source(configs)
-        self.iteration = 0
+            self.stepper = Stepper.build(configs, state)
+        self.chunks, self.optimizer = self.stepper.chunks, self.stepper.optimizer
+        if keep_initial:  # a copy of the initial weights, to compare with DDP's
+            self.initial = {n: p.detach().clone() for n, p in self.chunks[0].named_parameters()}
 
     def step(self) -> tuple[float, float]:
-        training = self.configs.training
-        size = training.global_batch_size
-        batch = GlobalBatch(self.iteration * size, size, training.micro_batch_size, self.state)
-        result = train_step(
-            self.chunks,
-            self.optimizer,
-            self.executor,
-            self.data,
-            batch,
-            self.state,
-            lr=training.lr,
-            iteration=self.iteration + 1,
-        )
-        self.iteration += 1
+        result = self.stepper.step()
         return result.lm_loss, result.grad_norm
 
 

@@ -64,44 +64,24 @@ class MegapipeStep:
 
     def __init__(self, flags: list[str], world_size: int = 1, state=None) -> None:
         from megapipe.arguments import parse_args
-        from megapipe.data.sources import build_batch_sources
         from megapipe.parallel.state import ParallelState
-        from megapipe.training.train import build_executor, build_model_chunks_for, build_optimizer
+        from megapipe.training.stepper import Stepper
 
-        self.configs = parse_args(flags, world_size)
-        parallel = self.configs.parallel
-        self.state = state or ParallelState.single()
-        if world_size > 1 and state is None:
-            self.state = ParallelState.build(
-                parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-            )
-        self.chunks = build_model_chunks_for(self.configs, self.state)
-        self.executor = build_executor(self.chunks, self.configs, self.state)
-        self.optimizer = build_optimizer(self.chunks, self.configs, self.state)
-        self.data = build_batch_sources(
-            self.configs, train_samples=0, valid_samples=0, test_samples=0
-        ).train
-        training = self.configs.training
-        self.global_batch, self.micro_batch = training.global_batch_size, training.micro_batch_size
-        self.lr, self.iteration = training.lr, 0
+        configs = parse_args(flags, world_size)
+        parallel = configs.parallel
+        if state is None:
+            state = ParallelState.single()
+            if world_size > 1:
+                state = ParallelState.build(
+                    parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+                )
+        self.stepper = Stepper.build(configs, state)
+        self.configs, self.state = configs, state
+        self.chunks, self.data = self.stepper.chunks, self.stepper.data
+        self.micro_batch = configs.training.micro_batch_size
 
     def __call__(self) -> float:
-        from megapipe.training.step import GlobalBatch, train_step
-
-        first = self.iteration * self.global_batch
-        self.iteration += 1
-        batch = GlobalBatch(first, self.global_batch, self.micro_batch, self.state)
-        result = train_step(
-            self.chunks,
-            self.optimizer,
-            self.executor,
-            self.data,
-            batch,
-            self.state,
-            lr=self.lr,
-            iteration=self.iteration,
-        )
-        return result.lm_loss
+        return self.stepper.step().lm_loss
 
 
 class PlainStep:

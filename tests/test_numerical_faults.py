@@ -20,17 +20,10 @@ import pytest
 import torch
 
 from megapipe.arguments import parse_args
-from megapipe.data.sources import build_batch_sources
 from megapipe.parallel.state import ParallelState
 from megapipe.testing import run_distributed
-from megapipe.training.step import (
-    GlobalBatch,
-    NonFiniteGradError,
-    NonFiniteLossError,
-    SpikyLossError,
-    train_step,
-)
-from megapipe.training.train import build_executor, build_model_chunks_for, build_optimizer
+from megapipe.training.step import NonFiniteGradError, NonFiniteLossError, SpikyLossError
+from megapipe.training.stepper import Stepper
 from tests.test_pretrain_cli import _command, _env
 
 TINY = [
@@ -46,18 +39,14 @@ class Trainer:
     """One rank's model, optimizer and data, stepped one iteration at a time."""
 
     def __init__(self, world_size: int, flags: list[str]) -> None:
-        self.configs = parse_args(TINY + flags, world_size)
-        parallel = self.configs.parallel
-        self.state = ParallelState.build(
+        configs = parse_args(TINY + flags, world_size)
+        parallel = configs.parallel
+        state = ParallelState.build(
             parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
         )
-        self.chunks = build_model_chunks_for(self.configs, self.state)
-        self.executor = build_executor(self.chunks, self.configs, self.state)
-        self.optimizer = build_optimizer(self.chunks, self.configs, self.state)
-        self.data = build_batch_sources(
-            self.configs, train_samples=64, valid_samples=0, test_samples=0
-        ).train
-        self.iteration = 0
+        self.stepper = Stepper.build(configs, state, train_samples=64)
+        self.configs, self.state = configs, state
+        self.chunks, self.optimizer = self.stepper.chunks, self.stepper.optimizer
 
     def params(self) -> dict[str, torch.nn.Parameter]:
         return {n: p for chunk in self.chunks for n, p in chunk.named_parameters()}
@@ -69,18 +58,7 @@ class Trainer:
         return all(torch.equal(p, before[n]) for n, p in self.params().items())
 
     def step(self):
-        self.iteration += 1
-        batch = GlobalBatch(4 * (self.iteration - 1), 4, 2, self.state)
-        return train_step(
-            self.chunks,
-            self.optimizer,
-            self.executor,
-            self.data,
-            batch,
-            self.state,
-            lr=1e-3,
-            iteration=self.iteration,
-        )
+        return self.stepper.step()
 
     def poison_gradient(self, name: str) -> None:
         """Make `name`'s gradient NaN on this rank once the DP reduction is done (next step)."""
