@@ -129,7 +129,7 @@ def validate_schedule(kind: str, p: int, v: int, m: int) -> None:
     if interleaved and v == 1:
         raise ConfigError(
             f"--pipeline-schedule {kind} needs virtual pipeline stages "
-            "(--num-layers-per-virtual-pipeline-stage or --virtual-pipeline-model-parallel-size)"
+            "(--num-layers-per-virtual-pipeline-stage or --num-virtual-stages-per-pipeline-rank)"
         )
     if interleaved and m % p:
         lower, upper = (m // p) * p, (m // p + 1) * p
