@@ -64,12 +64,9 @@ def tiny_runs(tmp_path_factory):
     results = {}
     for name, proc in procs.items():
         stdout, stderr = proc.communicate(timeout=300)
-        results[name] = (
-            proc.returncode,
-            stdout,
-            stderr,
-            json.loads((out / f"{name}.json").read_text()),
-        )
+        report = out / f"{name}.json"
+        assert report.exists(), f"{name} wrote no report (status {proc.returncode}):\n{stderr}"
+        results[name] = (proc.returncode, stdout, stderr, json.loads(report.read_text()))
     return results
 
 
