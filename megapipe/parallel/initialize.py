@@ -31,8 +31,10 @@ def initialize_distributed(
 ) -> torch.device:
     """Initialise torch.distributed from RANK/WORLD_SIZE/MASTER_ADDR (set by torchrun).
 
-    Without those variables (a plain `python pretrain_gpt.py`) this starts a one-rank world on
-    a free local port, so the same script runs with or without torchrun. Returns the device
+    Without those variables (a plain `python pretrain_gpt.py`) this starts a one-rank world
+    whose store listens on a port picked while binding it (never a port looked up first and
+    bound later, which two runs started together can both pick), so the same script runs with
+    or without torchrun. Returns the device
     this rank computes on: cuda:LOCAL_RANK with NCCL, cpu with gloo.
     """
     backend = backend or default_backend()
@@ -40,9 +42,9 @@ def initialize_distributed(
         raise RuntimeError(
             "--distributed-backend nccl needs CUDA, which is not available here; use gloo"
         )
+    alone = "RANK" not in os.environ and "MASTER_PORT" not in os.environ
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
     device = torch.device("cpu")
     if backend == "nccl":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -50,7 +52,10 @@ def initialize_distributed(
     if not dist.is_initialized():
         timeout = timedelta(minutes=timeout_minutes)
         attempt = os.environ.get(RESTART_VAR)
-        if attempt is None:
+        if alone:  # a store on a port the OS picks while binding it: two runs never collide
+            store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)
+            dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+        elif attempt is None:
             dist.init_process_group(backend, timeout=timeout)
         else:
             store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
@@ -71,11 +76,3 @@ def default_group_timeout() -> timedelta | None:
         return group._get_backend(device).options._timeout
     except (AttributeError, RuntimeError):  # torch internals moved: new_group's default
         return None
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
