@@ -159,7 +159,7 @@ SUITE = (
         300,
         _megatron_core,
     ),
-    Benchmark("pipeline", "bench_pipeline.py", ("--rounds", "5"), 240, _pipeline),
+    Benchmark("pipeline", "bench_pipeline.py", ("--rounds", "5"), 330, _pipeline),
     Benchmark(
         "data_parallel",
         "bench_data_parallel.py",

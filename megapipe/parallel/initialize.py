@@ -42,7 +42,8 @@ def initialize_distributed(
         raise RuntimeError(
             "--distributed-backend nccl needs CUDA, which is not available here; use gloo"
         )
-    alone = "RANK" not in os.environ and "MASTER_PORT" not in os.environ
+    # No launcher (torchrun always sets MASTER_PORT); also true on a second call in-process.
+    alone = "MASTER_PORT" not in os.environ and os.environ.get("WORLD_SIZE", "1") == "1"
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
     device = torch.device("cpu")
