@@ -300,7 +300,8 @@ def _serve_on_ranks(rank: int, world: int, load: str, folder: str, port: int = 0
     stop = threading.Event()
     stop_on_signals(stop)
     session = session_at(Path(load), ParallelState.build(2, 1))
-    Path(folder, f"pid{rank}").write_text(str(os.getpid()))
+    Path(folder, f"pid{rank}.tmp").write_text(str(os.getpid()))  # whole, or not there yet
+    os.replace(Path(folder, f"pid{rank}.tmp"), Path(folder, f"pid{rank}"))
 
     def on_ready(host: str, port: int) -> None:
         Path(folder, "port.tmp").write_text(str(port))
