@@ -10,6 +10,12 @@ import torch.nn.functional as F
 from megapipe.layers.param_meta import ParamMeta, make_param
 
 
+def _replicated(hidden_size: int, fill: float, sequence_parallel: bool) -> torch.nn.Parameter:
+    """A norm parameter: the same on every TP rank, summed over the sequence under SP."""
+    meta = ParamMeta((hidden_size,), init_fill=fill, sequence_parallel=sequence_parallel)
+    return make_param(meta, 1)
+
+
 class LayerNorm(torch.nn.Module):
     """kernel: a fused implementation (x, weight, bias, eps) -> y, or None for F.layer_norm."""
 
@@ -22,12 +28,8 @@ class LayerNorm(torch.nn.Module):
     ):
         super().__init__()
         self.eps, self.kernel = eps, kernel
-        self.weight = make_param(
-            ParamMeta((hidden_size,), init_fill=1.0, sequence_parallel=sequence_parallel), 1
-        )
-        self.bias = make_param(
-            ParamMeta((hidden_size,), init_fill=0.0, sequence_parallel=sequence_parallel), 1
-        )
+        self.weight = _replicated(hidden_size, 1.0, sequence_parallel)
+        self.bias = _replicated(hidden_size, 0.0, sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
@@ -47,9 +49,7 @@ class RMSNorm(torch.nn.Module):
     ):
         super().__init__()
         self.eps, self.kernel = eps, kernel
-        self.weight = make_param(
-            ParamMeta((hidden_size,), init_fill=1.0, sequence_parallel=sequence_parallel), 1
-        )
+        self.weight = _replicated(hidden_size, 1.0, sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
