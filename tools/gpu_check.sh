@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check: everything CI cannot run, on a machine with one CUDA GPU and no network.
 #
-#   bash tools/gpu_check.sh            # from anywhere; ~4-5 minutes on one H200
+#   bash tools/gpu_check.sh            # from anywhere; not yet timed on a GPU (caps: 370 s)
 #
 # Parts (each under its own `timeout`; the caps add up to 370 s, about 6 minutes, and the parts
 # should take 4-5; a part cut off by its cap is a TIMEOUT, and a rerun finds Triton's cache warm):
