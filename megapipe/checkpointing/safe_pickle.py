@@ -63,16 +63,22 @@ class UnsafePickleError(pickle.UnpicklingError):
     """The stream names a global outside the allow-list."""
 
 
+def _printable(text: str) -> str:
+    """`text` with control characters escaped (`\\n`, `\\x00`), so a name or detail taken from a
+    damaged file cannot break the one-line error it is quoted in."""
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
 class _RestrictedUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _ALLOWED:
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), _TORCH_VALUE_TYPES):
             return getattr(torch, name)  # torch.float32, torch.strided, ...: values, not code
-        raise UnsafePickleError(f"{module}.{name}")
+        raise UnsafePickleError(_printable(f"{module}.{name}"))
 
     def persistent_load(self, pid: Any) -> Any:
-        raise UnsafePickleError(f"persistent id {pid!r}")
+        raise UnsafePickleError(_printable(f"persistent id {pid!r}"))
 
 
 def restricted_loads(data: bytes) -> Any:
@@ -96,7 +102,8 @@ def load_dcp_metadata(path: str | os.PathLike) -> Metadata:
         ) from None
     except Exception as e:  # truncated or garbage stream
         raise CheckpointError(
-            f"checkpoint file {path}: not a readable DCP metadata file ({type(e).__name__}: {e})"
+            f"checkpoint file {path}: not a readable DCP metadata file "
+            f"({type(e).__name__}: {_printable(str(e))})"
         ) from None
     if not isinstance(metadata, Metadata):
         raise CheckpointError(
@@ -126,19 +133,20 @@ def safe_torch_load(path: str | os.PathLike, allowed: Sequence[type] = ()) -> An
         if refused:
             raise CheckpointError(
                 f"checkpoint file {path}: refused by weights_only loading: it needs "
-                f"{refused[1]}, which is not a tensor or plain python type (the file may carry "
-                "code)"
+                f"{_printable(refused[1])}, which is not a tensor or plain python type "
+                "(the file may carry code)"
             ) from None
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
         detail = next((x for x in lines if not x.startswith(_TORCH_BOILERPLATE)), "")
         raise CheckpointError(
             f"checkpoint file {path}: not a readable torch file (corrupted pickle stream"
-            + (f": {detail})" if detail else ")")
+            + (f": {_printable(detail)})" if detail else ")")
         ) from None
     except Exception as e:  # a truncated zip archive, an empty file
         first = str(e).split(". ")[0].strip() or type(e).__name__
         raise CheckpointError(
-            f"checkpoint file {path}: not a readable torch file (truncated or corrupted: {first})"
+            f"checkpoint file {path}: not a readable torch file (truncated or corrupted: "
+            f"{_printable(first)})"
         ) from None
 
 
