@@ -129,12 +129,30 @@ def _pipeline(data: dict) -> list[Headline]:
 
 def _data_parallel(data: dict) -> list[Headline]:
     summary = data.get("timing", data).get("summary", {})
-    return [
+    timing = [
         Headline(
             "bench_data_parallel", f"DP=2 step, {name} / torch DDP", row["median_ratio"], 1.0
         )  # fmt: skip
         for name, row in summary.items()
         if name != "ddp" and "median_ratio" in row
+    ]
+    return timing + _memory_per_rank(data.get("memory", []))
+
+
+def _memory_per_rank(rows: list[dict]) -> list[Headline]:
+    """Bytes per parameter on a rank (parameters, grads, masters, Adam state) for each
+    precision x optimizer x DP, measured / Megatron-LM's table (1.0 = the table exactly; the
+    target 1.01 leaves room for the padding of buckets to a multiple of DP)."""
+    return [
+        Headline(
+            "memory per rank",
+            f"{row['dtype']} {'distributed' if row['distributed_optimizer'] else 'plain'} "
+            f"optimizer, DP={row['dp']}: {row['measured_total']:.2f} B/param, measured / "
+            f"Megatron's {row['megatron_total']:g}",
+            row["measured_total"] / row["megatron_total"],
+            1.01,
+        )
+        for row in rows
     ]
 
 
@@ -244,7 +262,7 @@ def plot(headlines: list[Headline]) -> list[Path]:
         ax.set_xlabel("ratio (black bar: target; green met, red not met)")
         ax.set_title(name)
         fig.tight_layout()
-        path = PLOTS / f"{name}.png"
+        path = PLOTS / f"{name.replace(' ', '_')}.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
         paths.append(path)

@@ -3,18 +3,19 @@
 Runs pretrain_gpt.py on CPU ranks under torch's elastic agent, the machinery `torchrun
 --standalone --nproc_per_node N --max-restarts R` runs (the same agent, c10d rendezvous on a
 free port, restarts, TORCHELASTIC_RESTART_COUNT and the teardown of the other ranks when one
-fails), with one difference: the ranks are forked from this process, which has imported torch
+fails), with one difference: the ranks are forked from a fork server that has imported torch
 and megapipe once, instead of each attempt starting N new interpreters that import them again
 (about 5 CPU-seconds per rank). That is what lets the fault tests restart a 4-rank job several
 times within their CI budget; tools/stress_kill.py runs the real `torchrun` command.
 Exits 0 when the job succeeded, 1 when it failed after its restarts (with torchrun's report).
 Tests call `fork_job`, which forks the agent itself from the test process (megapipe is
-imported there already), so no interpreter starts at all.
+imported there already), so one interpreter starts per job: the fork server.
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import signal
 import sys
@@ -30,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+import torch._dynamo  # noqa: E402, F401  (torch.optim's lazy import: 1.5 s in every rank else)
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: E402
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch  # noqa: E402
 
@@ -40,6 +42,11 @@ import pretrain_gpt  # noqa: E402
 def _rank(argv: list[str]) -> None:
     """One rank: pretrain_gpt's main, its status as the process's exit status."""
     torch.set_num_threads(1)
+    # one write per line, as the agent's own streams (the ranks share its pipes; the fork
+    # server's streams, and even reconfigure(line_buffering=True), write a line's text and its
+    # newline apart, so another rank's line could land in between)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
     status = pretrain_gpt.main(argv)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -61,9 +68,17 @@ def launch(
         rdzv_endpoint="localhost:0",
         max_restarts=max_restarts,
         monitor_interval=0.1,
-        start_method="fork",
+        start_method="forkserver",
         shutdown_timeout=shutdown_timeout,
     )
+    # Ranks come from a fork server, not from the agent: the agent has threads (its store's
+    # server, the rendezvous keep-alive), and a rank forked while one of them held glibc's
+    # resolver lock (the store formats each new peer's address with getnameinfo) inherits it
+    # locked, and then waits forever in its own first lookup (seen in CI: one rank of a restart
+    # stuck creating its TCPStore client, the others waiting for it). The fork server is a
+    # single-threaded process that imports torch and megapipe once; each attempt's ranks are
+    # forked from it, as cheap as forking from the agent.
+    multiprocessing.set_forkserver_preload([__name__ if __name__ != "__main__" else "__main__"])
     sys.stdout.flush()
     try:
         elastic_launch(config, _rank)(flags)
@@ -99,7 +114,10 @@ class ForkedJob:
             if pid:
                 self.status = os.waitstatus_to_exitcode(status)
             elif time.monotonic() > deadline:
+                for rank in self.ranks():  # orphaned ranks would hold the cores for minutes
+                    os.kill(rank, signal.SIGKILL)
                 os.kill(self.pid, signal.SIGKILL)
+                deadline = float("inf")
             else:
                 time.sleep(0.05)
         for reader in self.readers:
@@ -108,6 +126,14 @@ class ForkedJob:
 
     def text(self, stream: str) -> str:
         return "".join(line for _, s, line in self.lines if s == stream)
+
+    def timeline(self, last: int = 40) -> str:
+        """The last `last` lines of both streams, each with its arrival time (s from the
+        first line): what a test prints when the job did not end in time."""
+        if not self.lines:
+            return "(no output)"
+        start = self.lines[0][0]
+        return "".join(f"{t - start:8.2f} {s}: {line}" for t, s, line in self.lines[-last:])
 
 
 def fork_job(nproc: int, flags: list[str], env: dict[str, str], **options: int) -> ForkedJob:

@@ -44,9 +44,9 @@ def test_sigterm_under_torchrun_saves_exits_0_and_resumes_exactly(tmp_path: Path
     save = tmp_path / "ckpt"
     flags = [*FLAGS, "--exit-signal-handler", "--save", str(save), "--save-interval", "1000"]
     job = fork_job(2, flags, {"OMP_NUM_THREADS": "1", "MEGAPIPE_FAULT": "term:backward:3:1"})
-    status = job.wait(timeout=300)
+    status = job.wait(timeout=200)
     stdout, stderr = job.text("stdout"), job.text("stderr")
-    assert status == 0, stderr[-3000:]
+    assert status == 0, job.timeline()
     assert "exiting program after receiving SIGTERM, at iteration 3" in stdout
     assert "received SIGTERM: stopping after this iteration" in stderr
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "3"

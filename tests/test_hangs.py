@@ -92,7 +92,7 @@ def ended() -> dict[tuple[str, str], Ended]:
     ]
     for watcher in watchers:
         watcher.start()
-    statuses = {key: job.wait(timeout=300) for key, job in started.items()}
+    statuses = {key: job.wait(timeout=150) for key, job in started.items()}  # < pytest's 300
     for watcher in watchers:
         watcher.join()
     return {key: Ended(statuses[key], _stderr(job), gone[key]) for key, job in started.items()}

@@ -87,3 +87,18 @@ def test_plots_are_real_pngs_one_per_benchmark(run_all) -> None:
     assert [p.name for p in paths] == ["bench_step.png", "bench_pipeline.png"]
     for path in paths:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_memory_per_rank_rows_are_judged_against_megatrons_table(run_all) -> None:
+    row = {"dtype": "bf16", "distributed_optimizer": True, "dp": 2}
+    memory = [
+        {**row, "measured_total": 12.004, "megatron_total": 12.0},
+        {**row, "dp": 4, "measured_total": 10.5, "megatron_total": 9.0},  # a leak: 1.17
+    ]
+    timing = {"summary": {"ddp": {}, "megapipe": {"median_ratio": 1.02}}}
+    _write(run_all, "data_parallel", {"timing": timing, "memory": memory})
+    headlines, _ = run_all.collect({})
+    rows = [h for h in headlines if h.benchmark == "memory per rank"]
+    assert [(round(h.ratio, 4), h.verdict) for h in rows] == [(1.0003, "met"), (1.1667, "NOT met")]
+    assert "bf16 distributed optimizer, DP=4: 10.50 B/param" in rows[1].what
+    assert [p.name for p in run_all.plot(rows)] == ["memory_per_rank.png"]
