@@ -204,3 +204,26 @@ def test_vocabulary_padding_follows_megatron():
     assert config(50257).padded_vocab_size(8) == 51200
     assert config(512).padded_vocab_size(4) == 512
     assert config(100, divisible_by=1).padded_vocab_size(1) == 100
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e4])
+def test_one_rank_cross_entropy_matches_torch_loss_and_gradient_with_padding(scale):
+    """One TP rank: the in-place backward against F.cross_entropy (the padding ids sliced off
+    get a zero gradient), and a second backward over the same graph refused by name."""
+    torch.manual_seed(3)
+    logits = (torch.randn(5, 3, 40) * scale).requires_grad_()
+    target = torch.randint(0, 37, (5, 3))
+    weight = torch.rand(5, 3)
+    group = ParallelState.single().tp
+    loss = vocab_parallel_cross_entropy(logits, target, group, 0, vocab_size=37)
+    (loss * weight).sum().backward(retain_graph=True)
+    ref_logits = logits.detach().clone().requires_grad_()
+    flat = ref_logits[..., :37].reshape(-1, 37)
+    ref = F.cross_entropy(flat, target.reshape(-1), reduction="none")
+    (ref.view(5, 3) * weight).sum().backward()
+    assert torch.isfinite(loss).all()
+    assert relative_error(loss, ref.view(5, 3)) < TOL
+    assert relative_error(logits.grad, ref_logits.grad) < TOL
+    assert torch.equal(logits.grad[..., 37:], torch.zeros(5, 3, 3))
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        (loss * weight).sum().backward()
