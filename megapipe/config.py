@@ -92,6 +92,9 @@ class ParallelConfig:
     decoder_first_pipeline_num_layers: int | None = None
     decoder_last_pipeline_num_layers: int | None = None
     pipeline_p2p_timeout: float = 300.0  # seconds before a stage gives up on its neighbour
+    # Post each receive one compute unit before the unit that needs it (the transfer overlaps
+    # that compute); False posts it just before (Megatron's --no-overlap-p2p-communication).
+    pipeline_receives_ahead: bool = True
     pipeline_trace: str | None = None  # Chrome-trace JSON of the measured schedule
     sequence_parallel: bool = False
     # TP linears overlap their backward collectives with the next matmul; False (Megatron's

@@ -407,3 +407,12 @@ def test_training_product_defaults_follow_megatron() -> None:
     assert not logging.log_validation_ppl_to_tensorboard and not logging.log_timers_to_tensorboard
     assert not logging.log_throughput and logging.device_peak_tflops is None
     assert (configs.checkpoint.save, configs.checkpoint.load) == (None, None)
+
+
+def test_receives_are_posted_ahead_unless_megatrons_no_overlap_flag_says_not() -> None:
+    layout = {"pipeline_model_parallel_size": 2}
+    assert parse_args(argv(**layout), 2).parallel.pipeline_receives_ahead
+    off = parse_args(argv(**layout, no_overlap_p2p_communication=True), 2)
+    assert not off.parallel.pipeline_receives_ahead
+    on = parse_args(argv(**layout, overlap_p2p_communication=True), 2)
+    assert on.parallel.pipeline_receives_ahead

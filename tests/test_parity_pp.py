@@ -55,7 +55,18 @@ def micro_batch(config, step, microbatch):
 
 
 def _pipeline_parity(
-    rank, world, tp, pp, v, kind, tied, m, steps, sequence_parallel=False, every_stage=False
+    rank,
+    world,
+    tp,
+    pp,
+    v,
+    kind,
+    tied,
+    m,
+    steps,
+    sequence_parallel=False,
+    every_stage=False,
+    post_ahead=False,
 ):
     config = config_for(2 * pp * v, tied)
     state = ParallelState.build(tp, pp)
@@ -71,7 +82,7 @@ def _pipeline_parity(
     executor = PipelineExecutor(
         chunks,
         state,
-        build_schedule(kind, pp, v, m, state.pp_rank),
+        build_schedule(kind, pp, v, m, state.pp_rank, post_ahead=post_ahead),
         num_microbatches=m,
         activation_shape=activation_shape(config, MICRO_BATCH, tp, sequence_parallel),
         batch_on_every_stage=every_stage,
@@ -138,16 +149,34 @@ def test_pipeline_matches_single_rank(tp, pp, v, kind, tied, m):
     check_pipeline_parity(tp, pp, v, kind, tied, m)
 
 
-def check_pipeline_parity(tp: int, pp: int, v: int, kind: str, tied: bool, m: int) -> None:
-    """Three steps of `kind` at this layout match one rank; stashing as the simulator says."""
-    results = run_distributed(_pipeline_parity, tp * pp, tp, pp, v, kind, tied, m, 3)
+@pytest.mark.parametrize(
+    "tp,pp,v,kind,tied,m",
+    [
+        (1, 2, 1, "1f1b", True, 4),
+        (1, 4, 1, "1f1b", False, 2),  # fewer micro-batches than stages
+        (1, 4, 2, "interleaved-1f1b", True, 4),
+        (2, 2, 2, "interleaved-1f1b", False, 4),
+    ],
+)
+def test_receives_posted_ahead_match_single_rank(tp, pp, v, kind, tied, m):
+    check_pipeline_parity(tp, pp, v, kind, tied, m, post_ahead=True)
+
+
+def check_pipeline_parity(
+    tp: int, pp: int, v: int, kind: str, tied: bool, m: int, post_ahead: bool = False
+) -> None:
+    """Three steps of `kind` at this layout match one rank; stashing as the simulator says.
+    post_ahead: receives posted one unit early (--overlap-p2p-communication, the default)."""
+    results = run_distributed(
+        _pipeline_parity, tp * pp, tp, pp, v, kind, tied, m, 3, post_ahead=post_ahead
+    )
     for r in results:
         assert r["loss"] < TOLERANCE and r["norm"] < TOLERANCE and r["grads"] < TOLERANCE, r
     assert sum(r["has_loss"] for r in results) == tp  # only the last stage computes the loss
     # Activation bound: each rank stashes exactly what the simulator predicts (1F1B: p - rank
     # on rank `rank`, at most p; zero-bubble: counted until W), and every output sent
     # downstream had its storage freed.
-    sim = simulate_kind(kind, pp, v, m)
+    sim = simulate_kind(kind, pp, v, m, post_ahead=post_ahead)
     for rank, r in enumerate(results):
         pp_rank = rank // tp
         # Only the first stage (tokens) and the last (labels, loss mask) read data, each

@@ -41,6 +41,11 @@ def test_zero_bubble_pipeline_matches_single_rank(tp, pp, v, kind, tied, m):
     check_pipeline_parity(tp, pp, v, kind, tied, m)
 
 
+@pytest.mark.parametrize("kind,v", [("zero-bubble-h1", 1), ("interleaved-zero-bubble", 2)])
+def test_zero_bubble_with_receives_posted_ahead_matches_single_rank(kind, v):
+    check_pipeline_parity(1, 2, v, kind, True, 4, post_ahead=True)
+
+
 def _train(rank: int, world_size: int, extra: list[str]):
     results, _ = train_with_flags(rank, world_size, BASE + extra)
     return [r.lm_loss for r in results], [r.grad_norm for r in results]

@@ -133,6 +133,7 @@ def build_executor(
         parallel.virtual_pipeline_model_parallel_size,
         num_microbatches,
         state.pp_rank,
+        post_ahead=parallel.pipeline_receives_ahead,
     )
     shape = activation_shape(
         configs.model, training.micro_batch_size, state.tp.size, parallel.sequence_parallel
@@ -146,6 +147,7 @@ def build_executor(
         dtype=configs.optimizer.params_dtype,
         comm=P2PCommunicator(state.pp, parallel.pipeline_p2p_timeout, activity),
         batch_on_every_stage=configs.data.reset_attention_mask,
+        post_ahead=parallel.pipeline_receives_ahead,  # and the evaluation's forward-only steps
     )
 
 
