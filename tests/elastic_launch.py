@@ -88,6 +88,22 @@ def launch(
     return 0
 
 
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except FileNotFoundError:
+        return []
+
+
+def _is_fork_server(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"multiprocessing.forkserver" in f.read()
+    except FileNotFoundError:
+        return False
+
+
 @dataclass
 class ForkedJob:
     """A `launch` running in a child forked from the caller (a test that imported megapipe
@@ -99,12 +115,10 @@ class ForkedJob:
     status: int | None = None
 
     def ranks(self) -> list[int]:
-        """The rank processes alive now (the agent's children)."""
-        try:
-            with open(f"/proc/{self.pid}/task/{self.pid}/children") as f:
-                return [int(p) for p in f.read().split()]
-        except FileNotFoundError:
-            return []
+        """The rank processes alive now: the children of the agent's fork server (the agent's
+        other child is multiprocessing's resource tracker)."""
+        return [rank for child in _children(self.pid) if _is_fork_server(child)
+                for rank in _children(child)]  # fmt: skip
 
     def wait(self, timeout: float) -> int:
         """The launch's status (-9 when it was killed after `timeout` seconds)."""
