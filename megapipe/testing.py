@@ -45,8 +45,9 @@ def _worker(
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    # gloo's default device looks the host name up (getaddrinfo); a rank forked while another
-    # thread of the parent held glibc's resolver lock would wait on it forever. The loopback
+    # A precaution (no hang was seen here): gloo's default device looks the host name up
+    # (getaddrinfo), and a rank forked while another thread of the parent held glibc's resolver
+    # lock would wait on it forever, as tests/elastic_launch.py's ranks did. The loopback
     # interface by name needs no lookup (all ranks are on this host).
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     try:

@@ -78,7 +78,7 @@ def launch(
     # stuck creating its TCPStore client, the others waiting for it). The fork server is a
     # single-threaded process that imports torch and megapipe once; each attempt's ranks are
     # forked from it, as cheap as forking from the agent.
-    multiprocessing.set_forkserver_preload([__name__ if __name__ != "__main__" else "__main__"])
+    multiprocessing.set_forkserver_preload([__name__])
     sys.stdout.flush()
     try:
         elastic_launch(config, _rank)(flags)

@@ -61,7 +61,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 def _consume_once(ctx) -> None:
     """The cross-entropy backwards write the gradient into their saved [tokens, vocab] tensor
-    (a copy of that size would cost more than the rest of the backward), so they can run once."""
+    instead of a new one, so they can run once."""
     if getattr(ctx, "consumed", False):
         raise RuntimeError(
             "cross-entropy backward ran twice over the same graph (retain_graph=True): its saved "
@@ -74,8 +74,9 @@ class _OneRankCrossEntropy(torch.autograd.Function):
     """Cross-entropy when one rank holds the whole vocabulary: torch's fused log-softmax in
     forward, and a backward that turns the saved log-probabilities into the gradient in place
     (exp, scale, subtract at the targets). `F.cross_entropy`'s own backward zero-fills a new
-    [tokens, vocab] tensor, scatters into it and runs log_softmax's backward into another: two
-    large allocations and three passes, about a third of the loss's time on the CPU."""
+    [tokens, vocab] tensor, scatters into it and runs log_softmax's backward into another (two
+    large allocations; the fill alone was 3.3 ms a step at PP=2's last stage, in
+    benchmarks/RESULTS.md's session-4 profile)."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
