@@ -8,7 +8,8 @@ Variants, all in one run:
 - single: one process with all layers, gradient accumulation over the m micro-batches;
 - megapipe-1f1b / -interleaved / -zero-bubble / -interleaved-zb: megapipe's PipelineExecutor
   (1f1b, interleaved-1f1b with v=2, zero-bubble-h1, interleaved-zero-bubble with v=2), each also
-  `-ahead`: with receives posted one unit ahead (`build_schedule(..., post_ahead=True)`);
+  `-ahead`: with receives posted one unit ahead (`build_schedule(..., post_ahead=True)`,
+  pretrain_gpt's default);
 - torch-1f1b / -interleaved / -zero-bubble / -interleaved-zb: torch.distributed.pipelining's
   PipelineStage with Schedule1F1B / ScheduleInterleaved1F1B / ScheduleInterleavedZeroBubble (one
   stage per rank: its ZB1P, i.e. ZB-H1) / ScheduleInterleavedZeroBubble (two), on the same
@@ -21,6 +22,12 @@ a round's pipeline time is the slowest rank's. Medians over rounds are reported,
 efficiency = single / (p x pipeline step) beside the bubble bound m/(m+p-1) (1F1B) or
 v*m/(v*m+p-1) (interleaved), and for the zero-bubble kinds 1 / (1 + the simulated bubble) under
 the paper's cost model F = B = W (ZB-H1: 3m/(3m+p-1)).
+
+Then a diagnosis: a few more steps of each megapipe variant with a trace, whose measured
+compute durations are replayed in the schedule simulator with free transfers. Its makespan is
+what the schedule would take with this model's real costs (imbalance between stages, W
+smaller than B) if communication and the executor cost nothing; the traced step over it is
+the executor's and transport's share of the loss.
 
     python benchmarks/bench_pipeline.py            # full run, about 2-3 minutes on 2 cores
     python benchmarks/bench_pipeline.py --quick    # a smoke test, too short to trust
@@ -49,8 +56,10 @@ from megapipe.parallel.state import Group, ParallelState
 from megapipe.pipeline.executor import PipelineExecutor
 from megapipe.pipeline.model_chunks import activation_shape, build_model_chunks
 from megapipe.pipeline.partition import partition_layers
-from megapipe.pipeline.schedules import build_schedule
+from megapipe.pipeline.schedules import Compute, build_schedule
+from megapipe.pipeline.simulator import simulate
 from megapipe.pipeline.timeline import theoretical_efficiency
+from megapipe.pipeline.trace import TRACE_CATEGORIES, TraceRecorder
 from megapipe.testing import run_distributed
 
 PP = 2
@@ -61,15 +70,27 @@ KINDS = {  # variant suffix -> (megapipe schedule, chunks per rank)
     "zero-bubble": ("zero-bubble-h1", 1),
     "interleaved-zb": ("interleaved-zero-bubble", 2),
 }
+MODES = {"": False, "-ahead": True}  # megapipe variant suffix -> receives posted ahead
 VARIANTS = (
     "single",
     "single-x2",
-    *(f"megapipe-{k}{ahead}" for k in KINDS for ahead in ("", "-ahead")),
+    *(f"megapipe-{k}{mode}" for k in KINDS for mode in MODES),
     *(f"torch-{k}" for k in KINDS),
 )
 PIPELINES = VARIANTS[2:]
+DIAGNOSED_STEPS = 3  # traced steps per megapipe variant
 DEFAULT_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "pipeline.json")
-Step = Callable[[], float | None]  # one training step; the mean loss where this rank knows it
+Step = Callable[..., float | None]  # one training step; the mean loss where this rank knows it
+PHASES = {category: phase for phase, category in TRACE_CATEGORIES.items()}
+
+
+def variant_kind(name: str) -> tuple[str, str]:
+    """`megapipe-interleaved-zb-ahead` -> ("interleaved-zb", "-ahead"): KINDS key, MODES key."""
+    rest = name.split("-", 1)[1]
+    for mode in sorted(MODES, key=len, reverse=True):
+        if mode and rest.endswith(mode):
+            return rest.removesuffix(mode), mode
+    return rest, ""
 
 
 def model_config(args: argparse.Namespace) -> ModelConfig:
@@ -135,10 +156,12 @@ def megapipe_step(
     state: ParallelState,
     kind: str,
     v: int,
-    post_ahead: bool = False,
+    mode: str = "",
 ) -> Step:
+    """A step of megapipe's executor; step(trace=recorder) also records its actions."""
     chunks = _chunks(args, state, v)
     m = args.microbatches
+    post_ahead = MODES[mode]
     executor = PipelineExecutor(
         chunks,
         state,
@@ -148,8 +171,8 @@ def megapipe_step(
     )
     optimizer = torch.optim.Adam([p for c in chunks for p in c.parameters()], lr=args.lr)
 
-    def step() -> float | None:
-        losses = executor.run(lambda i: micro_batch(batch, i, args.micro_batch))
+    def step(trace: TraceRecorder | None = None) -> float | None:
+        losses = executor.run(lambda i: micro_batch(batch, i, args.micro_batch), trace=trace)
         _adam_step(optimizer)
         return float(torch.stack(losses).mean()) if losses else None
 
@@ -225,8 +248,8 @@ def _build_steps(args: argparse.Namespace, state: ParallelState) -> dict[str, St
         "single-x2": single,  # every rank at once: how well this machine runs 2 processes
     }
     for name, (kind, v) in KINDS.items():
-        steps[f"megapipe-{name}"] = megapipe_step(args, batch, state, kind, v)
-        steps[f"megapipe-{name}-ahead"] = megapipe_step(args, batch, state, kind, v, True)
+        for mode in MODES:
+            steps[f"megapipe-{name}{mode}"] = megapipe_step(args, batch, state, kind, v, mode)
         steps[f"torch-{name}"] = torch_step(args, batch, state, kind, v)
     return steps
 
@@ -308,7 +331,60 @@ def _bench_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict:
         order = VARIANTS[shift:] + VARIANTS[:shift]
         for name in order if r % 2 == 0 else reversed(order):
             rounds[name].append(_clean_timed(steps[name], args))
-    return {"first_losses": first_losses, "rounds": rounds}
+    return {"first_losses": first_losses, "rounds": rounds, "traces": _traces(steps, args)}
+
+
+def _traces(steps: dict[str, Step | None], args: argparse.Namespace) -> dict[str, list]:
+    """Per megapipe variant, DIAGNOSED_STEPS traced steps: every rank's compute durations
+    {(phase, microbatch, chunk): seconds} and the span of its actions (start, end), gathered."""
+    out: dict[str, list] = {}
+    for name in VARIANTS:
+        if not name.startswith("megapipe-"):
+            continue
+        for _ in range(DIAGNOSED_STEPS):
+            _wait_for_quiet(args)
+            recorder = TraceRecorder(dist.get_rank())
+            dist.barrier()
+            steps[name](trace=recorder)
+            durations = {
+                (PHASES[e["cat"]], e["args"]["microbatch"], e["args"]["chunk"]): e["dur"] / 1e6
+                for e in recorder.events
+                if e["cat"] != "comm"
+            }
+            span = (
+                min(e["ts"] for e in recorder.events) / 1e6,
+                max((e["ts"] + e["dur"]) for e in recorder.events) / 1e6,
+            )
+            gathered: list = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, (durations, span))
+            out.setdefault(name, []).append(gathered)
+    return out
+
+
+def diagnose(args: argparse.Namespace, name: str, traced: list) -> dict:
+    """The traced steps' span against the simulator's replay of their compute durations
+    with free transfers (medians over the traced steps)."""
+    kind, v = KINDS[variant_kind(name)[0]]
+    post_ahead = MODES[variant_kind(name)[1]]
+    m = args.microbatches
+    schedules = [build_schedule(kind, PP, v, m, r, post_ahead=post_ahead) for r in range(PP)]
+    spans, replays, busy = [], [], []
+    for ranks in traced:  # one traced step: [(durations, (start, end)) per rank]
+        durations = [d for d, _ in ranks]
+
+        def cost(rank: int, c: Compute, durations=durations) -> float:
+            return durations[rank][(c.phase, c.microbatch, c.chunk)]
+
+        replays.append(simulate(schedules, m, v, compute_cost=cost).makespan)
+        spans.append(max(end for _, (_, end) in ranks) - min(start for _, (start, _) in ranks))
+        busy.append(max(sum(d.values()) for d in durations))
+    replay, span = statistics.median(replays), statistics.median(spans)
+    return {
+        "traced_ms": span * 1e3,
+        "replay_ms": replay * 1e3,
+        "busiest_rank_compute_ms": statistics.median(busy) * 1e3,
+        "traced_over_replay": span / replay,
+    }
 
 
 def _median_clean(samples: list[tuple[float, float]], quiet: float) -> tuple[float, int]:
@@ -326,7 +402,7 @@ def summarize(args: argparse.Namespace, per_rank: list[dict]) -> dict:
     m, single = args.microbatches, median["single"]
     rows = {}
     for name in PIPELINES:
-        kind, v = KINDS[name.split("-", 1)[1].removesuffix("-ahead")]
+        kind, v = KINDS[variant_kind(name)[0]]
         bound = theoretical_efficiency(PP, v, m, kind)
         efficiency = single / (PP * median[name])
         rows[name] = {
@@ -335,11 +411,14 @@ def summarize(args: argparse.Namespace, per_rank: list[dict]) -> dict:
             "bound": bound,
             "of_bound": efficiency / bound,
             "efficiency_vs_single_x2": median["single-x2"] / (PP * median[name]),
+            "of_bound_vs_single_x2": median["single-x2"] / (PP * median[name]) / bound,
             "clean_rounds": clean[name],
         }
+        if name in per_rank[0]["traces"]:
+            rows[name]["diagnosis"] = diagnose(args, name, per_rank[0]["traces"][name])
     for name in PIPELINES:
         if name.startswith("megapipe-"):
-            theirs = "torch-" + name.split("-", 1)[1].removesuffix("-ahead")
+            theirs = "torch-" + variant_kind(name)[0]
             rows[name]["ratio_to_torch"] = median[name] / median[theirs]
             rows[name]["ratio_to_torch_1f1b"] = median[name] / median["torch-1f1b"]
     return {
@@ -366,17 +445,29 @@ def print_table(args: argparse.Namespace, summary: dict) -> None:
         f"{summary['machine_scaling']:.3f}; 1.0 = two cores as fast as one)"
     )
     print(
-        f"{'variant':<28}{'step ms':>9}{'vs torch':>10}{'efficiency':>12}{'bound':>8}"
-        f"{'of bound':>10}{'eff. vs x2':>12}{'clean':>7}"
+        f"{'variant':<34}{'step ms':>9}{'vs torch':>10}{'efficiency':>12}{'bound':>8}"
+        f"{'of bound':>10}{'eff. vs x2':>12}{'x2 of bound':>13}{'clean':>7}"
     )
     for name, row in summary["variants"].items():
         ratio = f"{row['ratio_to_torch']:.3f}" if "ratio_to_torch" in row else "-"
         print(
-            f"{name:<28}{row['step_ms']:>9.1f}{ratio:>10}{row['efficiency']:>12.3f}"
+            f"{name:<34}{row['step_ms']:>9.1f}{ratio:>10}{row['efficiency']:>12.3f}"
             f"{row['bound']:>8.3f}{row['of_bound']:>10.1%}{row['efficiency_vs_single_x2']:>12.3f}"
-            f"{row['clean_rounds']:>4}/{args.rounds}"
+            f"{row['of_bound_vs_single_x2']:>13.1%}{row['clean_rounds']:>4}/{args.rounds}"
         )
     print(f"clean rounds of single / single-x2: {clean['single']}, {clean['single-x2']}")
+    print(
+        f"diagnosis ({DIAGNOSED_STEPS} traced steps each; replay: the simulator with the traced "
+        "compute durations and free transfers)"
+    )
+    print(f"{'variant':<34}{'traced ms':>11}{'replay ms':>11}{'traced/replay':>15}")
+    for name, row in summary["variants"].items():
+        if "diagnosis" in row:
+            d = row["diagnosis"]
+            print(
+                f"{name:<34}{d['traced_ms']:>11.1f}{d['replay_ms']:>11.1f}"
+                f"{d['traced_over_replay']:>15.3f}"
+            )
     to_1f1b = {
         n: r["ratio_to_torch_1f1b"]
         for n, r in summary["variants"].items()

@@ -282,3 +282,19 @@ def test_posting_ahead_hides_transfer_time(kind, v):
 def test_a_w_before_its_b_is_caught():
     with pytest.raises(ScheduleError, match="W0 before its B"):
         simulate([[Compute("F", 0), Compute("W", 0), Compute("B", 0)]], 1)
+
+
+def test_measured_costs_replay_per_rank_and_action():
+    """1F1B, p=2, m=2, rank 1 twice as slow (F 2, B 4; rank 0 F 1, B 2), free transfers, by
+    hand: rank 0 runs F0 [0,1] F1 [1,2]; rank 1 F0 [1,3] B0 [3,7] F1 [7,9] B1 [9,13]; rank 0
+    B0 [7,9] and B1 [13,15]."""
+    schedules = [build_schedule("1f1b", 2, 1, 2, r) for r in range(2)]
+    sim = simulate(schedules, 2, compute_cost=lambda r, c: (1 if c.phase == "F" else 2) * (1 + r))
+    assert sim.makespan == 15
+    assert (sim.busy(0), sim.busy(1)) == (6, 12)
+    assert [(i.start, i.end) for i in sim.intervals if i.rank == 0] == [
+        (0, 1),
+        (1, 2),
+        (7, 9),
+        (13, 15),
+    ]

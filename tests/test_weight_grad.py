@@ -140,3 +140,17 @@ def test_a_claimed_parameter_used_outside_its_layers_is_refused():
     loss = _loss(model, 0) + model.decoder.layers["0"].mlp.linear_fc1.weight.sum()
     with pytest.raises(RuntimeError, match="used outside the layers that claim it"):
         loss.backward()
+
+
+def test_a_second_store_on_the_same_layers_is_refused():
+    """Two executors built on the same chunks must share their stores: a second attach would
+    silently leave the first store's deferring() computing weight gradients in B."""
+    model = _model(ParallelState.single(), False)
+    store = WeightGradStore().attach(model)
+    assert store.attach(model) is store  # attaching the same store again is harmless
+    with pytest.raises(ValueError, match="already defer their weight gradients into another"):
+        WeightGradStore().attach(model)
+    with store.deferring():
+        _loss(model, 0).backward()
+    assert store.pending_units == 1
+    assert model.decoder.layers["0"].mlp.linear_fc1.weight.grad is None  # still deferred

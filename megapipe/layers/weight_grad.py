@@ -90,10 +90,22 @@ class WeightGradStore:
         self._open: list | None = None
 
     def attach(self, module: torch.nn.Module) -> WeightGradStore:
-        """Let every layer of `module` that computes its own weight gradients defer them here."""
+        """Let every layer of `module` that computes its own weight gradients defer them here.
+
+        A layer defers into one store: attaching a second store to it raises (its layers would
+        otherwise stop deferring into the first one silently, and a zero-bubble schedule
+        driven by that one would compute every weight gradient in B)."""
         layers = [m for m in module.modules() if hasattr(m, "weight_grad_store")]
         if not layers:
             raise ValueError(f"{type(module).__name__} has no layer that owns its weight gradients")
+        taken = [m for m in layers if m.weight_grad_store not in (None, self)]
+        if taken:
+            raise ValueError(
+                f"{len(taken)} layer(s) of this {type(module).__name__} already defer their weight "
+                "gradients into another WeightGradStore; share that store (e.g. "
+                "PipelineExecutor(..., weight_grad_stores=other.weight_grad_stores)) instead of "
+                "attaching a new one"
+            )
         for layer in layers:
             layer.weight_grad_store = self
         return self

@@ -18,7 +18,7 @@ In training, a micro-batch is in flight on a chunk from its forward to its last 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from megapipe.pipeline.schedules import (
@@ -80,12 +80,15 @@ def simulate(
     comm_cost: float = 0.0,
     forward_only: bool = False,
     weight_cost: float = 1.0,
+    compute_cost: Callable[[int, Compute], float] | None = None,
 ) -> Simulation:
     """Execute all ranks' lists; raise ScheduleError on deadlock or incomplete work.
 
     forward_only: the lists must run every forward and no backward; `peak_in_flight` then
     counts outputs not yet sent (what an evaluation step holds), not micro-batches awaiting
     their backward. Lists with W computes must run one W after each B (weight_cost each).
+    compute_cost(rank, compute): each compute's duration (e.g. measured ones, to replay a
+    traced step), instead of the per-phase costs.
     """
     p = len(schedules)
     pc = [0] * p
@@ -126,6 +129,7 @@ def simulate(
         elif step.phase == "B":
             needs = ("B", step.microbatch, stage + 1, stage) if stage < last_stage else None
         start = clock[rank]
+        duration = cost[step.phase] if compute_cost is None else compute_cost(rank, step)
         if needs is not None:
             if ("recv", needs) not in posted:
                 raise ScheduleError(f"rank {rank} runs {step} before receiving its input")
@@ -133,8 +137,8 @@ def simulate(
             if ready is None:
                 return False
             start = max(start, ready)
-        sim.intervals.append(Interval(rank, step, start, start + cost[step.phase]))
-        clock[rank] = start + cost[step.phase]
+        sim.intervals.append(Interval(rank, step, start, start + duration))
+        clock[rank] = start + duration
         done[rank].add(unit)
         if step.phase == "F":
             if not (forward_only and stage == last_stage):  # the last stage keeps only a loss
