@@ -57,7 +57,7 @@ from megapipe.pipeline.executor import PipelineExecutor
 from megapipe.pipeline.model_chunks import activation_shape, build_model_chunks
 from megapipe.pipeline.partition import partition_layers
 from megapipe.pipeline.schedules import Compute, build_schedule
-from megapipe.pipeline.simulator import simulate
+from megapipe.pipeline.simulator import replay
 from megapipe.pipeline.timeline import theoretical_efficiency
 from megapipe.pipeline.trace import TRACE_CATEGORIES, TraceRecorder
 from megapipe.testing import run_distributed
@@ -364,26 +364,25 @@ def _traces(steps: dict[str, Step | None], args: argparse.Namespace) -> dict[str
 def diagnose(args: argparse.Namespace, name: str, traced: list) -> dict:
     """The traced steps' span against the simulator's replay of their compute durations
     with free transfers (medians over the traced steps)."""
-    kind, v = KINDS[variant_kind(name)[0]]
-    post_ahead = MODES[variant_kind(name)[1]]
-    m = args.microbatches
-    schedules = [build_schedule(kind, PP, v, m, r, post_ahead=post_ahead) for r in range(PP)]
+    kind_key, mode = variant_kind(name)
+    kind, v = KINDS[kind_key]
     spans, replays, busy = [], [], []
     for ranks in traced:  # one traced step: [(durations, (start, end)) per rank]
-        durations = [d for d, _ in ranks]
-
-        def cost(rank: int, c: Compute, durations=durations) -> float:
-            return durations[rank][(c.phase, c.microbatch, c.chunk)]
-
-        replays.append(simulate(schedules, m, v, compute_cost=cost).makespan)
+        durations = {
+            (rank, Compute(*key)): seconds
+            for rank, (per_rank, _) in enumerate(ranks)
+            for key, seconds in per_rank.items()
+        }
+        sim = replay(kind, PP, v, args.microbatches, durations, post_ahead=MODES[mode])
+        replays.append(sim.makespan)
         spans.append(max(end for _, (_, end) in ranks) - min(start for _, (start, _) in ranks))
-        busy.append(max(sum(d.values()) for d in durations))
-    replay, span = statistics.median(replays), statistics.median(spans)
+        busy.append(max(sim.busy(rank) for rank in range(PP)))
+    replayed, span = statistics.median(replays), statistics.median(spans)
     return {
         "traced_ms": span * 1e3,
-        "replay_ms": replay * 1e3,
+        "replay_ms": replayed * 1e3,
         "busiest_rank_compute_ms": statistics.median(busy) * 1e3,
-        "traced_over_replay": span / replay,
+        "traced_over_replay": span / replayed,
     }
 
 

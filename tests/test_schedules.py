@@ -12,7 +12,7 @@ from megapipe.pipeline.schedules import (
     format_schedule,
     validate_schedule,
 )
-from megapipe.pipeline.simulator import ScheduleError, simulate, simulate_kind
+from megapipe.pipeline.simulator import ScheduleError, replay, simulate, simulate_kind
 
 GRID = [(kind, p, v, m)
         for kind, vs in (("gpipe", [1]), ("1f1b", [1]), ("interleaved-1f1b", [2, 3, 4]))
@@ -298,3 +298,17 @@ def test_measured_costs_replay_per_rank_and_action():
         (7, 9),
         (13, 15),
     ]
+
+
+@pytest.mark.parametrize("kind,v", [("1f1b", 1), ("interleaved-1f1b", 2), ("zero-bubble-h1", 1)])
+def test_replay_keys_durations_by_rank_and_compute(kind, v):
+    """Durations that are the cost model's give the cost model's timeline; a missing one is
+    named."""
+    for ahead in (False, True):
+        model = simulate_kind(kind, 2, v, 4, post_ahead=ahead)
+        durations = {(i.rank, i.action): i.end - i.start for i in model.intervals}
+        assert replay(kind, 2, v, 4, durations, post_ahead=ahead).makespan == model.makespan
+    del durations[(1, Compute("F", 3, v - 1))]
+    missing = "F3.1" if v > 1 else "F3"
+    with pytest.raises(KeyError, match=f"no measured duration of {missing} on rank 1"):
+        replay(kind, 2, v, 4, durations)

@@ -20,6 +20,7 @@ from megapipe.pipeline.timeline import (
     boxes_from_simulation,
     boxes_from_trace,
     measured_timeline,
+    replayed_makespan,
     simulated_timeline,
     trace_steps,
 )
@@ -116,6 +117,13 @@ def test_trace_boxes_hold_every_action_of_every_traced_step(trace_path: Path) ->
             assert starts == sorted(starts)
     timeline = measured_timeline(document)
     assert "interleaved-1f1b, p=2, v=2, m=4 (measured, iteration 2" in timeline.title
+    # the same computes, replayed through the schedule with free transfers, cannot take longer
+    # than the measured step: every measured start already respects the same dependencies
+    assert document["otherData"]["receives_ahead"] is True
+    replayed = replayed_makespan(timeline, "interleaved-1f1b", True)
+    assert 0 < replayed <= timeline.makespan + 1e-6
+    assert f"these computes with free transfers: {replayed:.0f} ms" in timeline.title
+    assert replayed_makespan(timeline, "pipeline", True) is None  # an unknown schedule
     with pytest.raises(TraceFormatError, match=r"no step 7; it recorded steps \[1, 2\]"):
         boxes_from_trace(document, 7)
 

@@ -18,7 +18,7 @@ In training, a micro-batch is in flight on a chunk from its forward to its last 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from megapipe.pipeline.schedules import (
@@ -241,3 +241,25 @@ def simulate_kind(
     costs.setdefault("weight_cost", 1.0 / v)
     schedules = [build_schedule(kind, p, v, m, r, post_ahead=post_ahead) for r in range(p)]
     return simulate(schedules, m, v, forward_only=kind == FORWARD_ONLY, **costs)
+
+
+def replay(
+    kind: str,
+    p: int,
+    v: int,
+    m: int,
+    durations: Mapping[tuple[int, Compute], float],
+    *,
+    post_ahead: bool = False,
+) -> Simulation:
+    """Schedule `kind` with each compute taking its measured duration, `durations[(rank,
+    compute)]`, and free transfers: what a traced step would have taken had communication
+    and the executor cost nothing. KeyError names a compute the durations lack."""
+
+    def duration(rank: int, compute: Compute) -> float:
+        if (rank, compute) not in durations:
+            raise KeyError(f"no measured duration of {compute} on rank {rank}")
+        return durations[(rank, compute)]
+
+    schedules = [build_schedule(kind, p, v, m, r, post_ahead=post_ahead) for r in range(p)]
+    return simulate(schedules, m, v, compute_cost=duration)

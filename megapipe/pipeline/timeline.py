@@ -13,8 +13,8 @@ import json
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from megapipe.pipeline.schedules import SCHEDULE_KINDS, ZERO_BUBBLE_KINDS
-from megapipe.pipeline.simulator import Simulation, simulate_kind
+from megapipe.pipeline.schedules import SCHEDULE_KINDS, ZERO_BUBBLE_KINDS, Compute
+from megapipe.pipeline.simulator import Simulation, replay, simulate_kind
 from megapipe.pipeline.trace import TRACE_CATEGORIES
 
 BoxKind = Literal["F", "B", "W", "comm"]
@@ -176,4 +176,32 @@ def measured_timeline(document: dict, step: int | None = None) -> Timeline:
         f"{timeline.makespan:.0f} ms)\ncompute fills {efficiency:.1%} of p x step time "
         f"(bubble bound {formula} = {bound:.1%})"
     )
+    replayed = replayed_makespan(timeline, kind, bool(meta.get("receives_ahead", False)))
+    if replayed is not None:
+        lost = 1.0 - replayed / timeline.makespan
+        title += (
+            f"\nthese computes with free transfers: {replayed:.0f} ms; communication and the "
+            f"executor took {lost:.1%} of the step"
+        )
     return replace(timeline, title=title)
+
+
+def replayed_makespan(timeline: Timeline, kind: str, post_ahead: bool) -> float | None:
+    """The measured computes replayed through schedule `kind` with free transfers
+    (`simulator.replay`), in the timeline's unit; None when `kind` is not a training schedule
+    or the boxes are not exactly its computes (a partial trace)."""
+    if kind not in SCHEDULE_KINDS:
+        return None
+    durations = {
+        (b.rank, Compute(b.kind, b.microbatch, b.chunk)): b.duration
+        for b in timeline.boxes
+        if b.kind != "comm"
+    }
+    try:
+        sim = replay(kind, timeline.num_ranks, timeline.num_chunks, timeline.num_microbatches,
+                     durations, post_ahead=post_ahead)  # fmt: skip
+    except (KeyError, RuntimeError, ValueError):
+        return None
+    if len(sim.intervals) != len(durations):
+        return None
+    return sim.makespan

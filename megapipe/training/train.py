@@ -159,6 +159,7 @@ def _trace_metadata(configs: Configs, state: ParallelState) -> dict:
         "pipeline_size": parallel.pipeline_model_parallel_size,
         "virtual_stages": parallel.virtual_pipeline_model_parallel_size,
         "num_microbatches": configs.training.num_microbatches(state.dp.size),
+        "receives_ahead": parallel.pipeline_receives_ahead,
     }
 
 
