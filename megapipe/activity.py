@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from megapipe.training.faults import FaultPlan
 
 STEP_HISTORY = 50  # step times the watchdog's median is taken over
-_COMPUTE_MOMENTS = ("forward", "backward", "eval")
+_COMPUTE_MOMENTS = ("forward", "backward", "weight-grad", "eval")
 
 
 class RankFailure(RuntimeError):

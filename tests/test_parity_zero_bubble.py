@@ -138,3 +138,22 @@ def test_a_schedule_that_drops_or_reorders_a_w_is_refused():
     config, executor = _one_rank_executor(swapped)
     with pytest.raises(RuntimeError, match=r"runs W1 but the oldest pending B is \(0, 0\)"):
         executor.run(lambda i: micro_batch(config, 0, i))
+
+
+def test_a_w_tells_the_watchdog_what_it_runs(monkeypatch):
+    """A rank stuck in a W (its SP all-gather, say) is reported as in its weight gradients,
+    not in the B before it."""
+    config, executor = _one_rank_executor(build_schedule("zero-bubble-h1", 1, 1, 2, 0))
+    seen = []
+    store = executor.weight_grad_stores[0]
+    compute = store.compute_weight_grads
+
+    def recording(*args, **kwargs):
+        seen.append((executor.comm.activity.current[0], executor.comm.activity.operation()))
+        return compute(*args, **kwargs)
+
+    monkeypatch.setattr(store, "compute_weight_grads", recording)
+    executor.run(lambda i: micro_batch(config, 0, i))
+    assert seen == [
+        ("weight-grad", f"weight gradients of micro-batch {i} (model chunk 0)") for i in (0, 1)
+    ]

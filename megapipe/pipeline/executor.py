@@ -263,6 +263,8 @@ class PipelineExecutor:
 
     def _weight_grads(self, step: _Step, compute: Compute) -> None:
         """W: the weight gradients B deferred for this micro-batch, into the grad buffer."""
+        what = "weight gradients of micro-batch {} (model chunk {})"
+        self.comm.activity.enter("weight-grad", what, compute.microbatch, compute.chunk)
         key = (compute.microbatch, compute.chunk)
         oldest = next((k for k in step.awaiting_w if k[1] == compute.chunk), None)
         if oldest != key:  # each chunk's store computes its queued backward passes in order

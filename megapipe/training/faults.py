@@ -37,7 +37,7 @@ ACTIONS = {
 # optimizer: inside the optimizer step, after the local update and before the updated
 # parameters are gathered; save: a checkpoint save, before this rank writes its shards.
 # Each fires at the moment's first occurrence in the iteration.
-MOMENTS = ("forward", "backward", "eval", "grad-reduce", "optimizer", "save")
+MOMENTS = ("forward", "backward", "weight-grad", "eval", "grad-reduce", "optimizer", "save")
 
 
 @dataclass(frozen=True)
