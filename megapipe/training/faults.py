@@ -32,10 +32,11 @@ ACTIONS = {
     "int": signal.SIGINT,
     "usr1": signal.SIGUSR1,
 }
-# forward / backward: a training micro-batch's compute (executor); eval: an evaluation
-# micro-batch's forward; grad-reduce: waiting for a DP gradient bucket (DP > 1 only);
-# optimizer: inside the optimizer step, after the local update and before the updated
-# parameters are gathered; save: a checkpoint save, before this rank writes its shards.
+# forward / backward: a training micro-batch's compute (executor); weight-grad: a zero-bubble
+# schedule's W (the weight gradients its B deferred); eval: an evaluation micro-batch's
+# forward; grad-reduce: waiting for a DP gradient bucket (DP > 1 only); optimizer: inside the
+# optimizer step, after the local update and before the updated parameters are gathered;
+# save: a checkpoint save, before this rank writes its shards.
 # Each fires at the moment's first occurrence in the iteration.
 MOMENTS = ("forward", "backward", "weight-grad", "eval", "grad-reduce", "optimizer", "save")
 
