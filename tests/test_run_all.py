@@ -51,7 +51,18 @@ def test_headlines_and_verdicts_come_from_each_benchmarks_json(run_all) -> None:
     assert pipeline["megapipe-zero-bubble-h1: efficiency / schedule bound"] == (0.9, "NOT met")
     assert pipeline["megapipe-zero-bubble-h1 / torch's 1F1B"] == (0.85, "met")
     assert not any(w.startswith("torch-") for w in pipeline)  # torch's rows are the baseline
-    assert [p.split(":")[0] for p in problems] == ["data_parallel", "planner"]  # no JSON yet
+    assert [p.split(":")[0] for p in problems] == [
+        "pipeline_m4", "data_parallel", "planner"]  # no JSON yet  # fmt: skip
+    _write(run_all, "pipeline_m4", {"config": {"microbatches": 4}, "variants": {
+        "megapipe-zero-bubble-ahead": {"of_bound": 0.93, "ratio_to_torch_1f1b": 0.89},
+        "megapipe-interleaved-zb-ahead": {"ratio_to_torch_1f1b": 0.91},
+        "megapipe-1f1b": {"ratio_to_torch_1f1b": 0.97}}})  # fmt: skip
+    headlines, _ = run_all.collect({})
+    few = {h.what: (h.ratio, h.verdict) for h in headlines if h.what.startswith("m=4: ")}
+    assert few == {  # only the zero-bubble kinds against torch's 1F1B
+        "m=4: megapipe-zero-bubble-ahead / torch's 1F1B": (0.89, "met"),
+        "m=4: megapipe-interleaved-zb-ahead / torch's 1F1B": (0.91, "NOT met"),
+    }
 
 
 def test_a_failed_or_reshaped_benchmark_is_reported_not_hidden(run_all) -> None:
