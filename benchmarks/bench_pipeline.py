@@ -56,10 +56,14 @@ from megapipe.parallel.state import Group, ParallelState
 from megapipe.pipeline.executor import PipelineExecutor
 from megapipe.pipeline.model_chunks import activation_shape, build_model_chunks
 from megapipe.pipeline.partition import partition_layers
-from megapipe.pipeline.schedules import Compute, build_schedule
-from megapipe.pipeline.simulator import replay
-from megapipe.pipeline.timeline import theoretical_efficiency
-from megapipe.pipeline.trace import TRACE_CATEGORIES, TraceRecorder
+from megapipe.pipeline.schedules import ZERO_BUBBLE_KINDS, build_schedule
+from megapipe.pipeline.timeline import (
+    Timeline,
+    boxes_from_trace,
+    replayed_makespan,
+    theoretical_efficiency,
+)
+from megapipe.pipeline.trace import TraceRecorder, chrome_trace
 from megapipe.testing import run_distributed
 
 PP = 2
@@ -81,16 +85,13 @@ PIPELINES = VARIANTS[2:]
 DIAGNOSED_STEPS = 3  # traced steps per megapipe variant
 DEFAULT_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "pipeline.json")
 Step = Callable[..., float | None]  # one training step; the mean loss where this rank knows it
-PHASES = {category: phase for phase, category in TRACE_CATEGORIES.items()}
 
 
 def variant_kind(name: str) -> tuple[str, str]:
     """`megapipe-interleaved-zb-ahead` -> ("interleaved-zb", "-ahead"): KINDS key, MODES key."""
     rest = name.split("-", 1)[1]
-    for mode in sorted(MODES, key=len, reverse=True):
-        if mode and rest.endswith(mode):
-            return rest.removesuffix(mode), mode
-    return rest, ""
+    kind = rest.removesuffix("-ahead")
+    return kind, rest[len(kind) :]
 
 
 def model_config(args: argparse.Namespace) -> ModelConfig:
@@ -335,8 +336,8 @@ def _bench_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict:
 
 
 def _traces(steps: dict[str, Step | None], args: argparse.Namespace) -> dict[str, list]:
-    """Per megapipe variant, DIAGNOSED_STEPS traced steps: every rank's compute durations
-    {(phase, microbatch, chunk): seconds} and the span of its actions (start, end), gathered."""
+    """Per megapipe variant, DIAGNOSED_STEPS traced steps, each as every rank's trace events
+    (gathered, in rank order)."""
     out: dict[str, list] = {}
     for name in VARIANTS:
         if not name.startswith("megapipe-"):
@@ -346,44 +347,28 @@ def _traces(steps: dict[str, Step | None], args: argparse.Namespace) -> dict[str
             recorder = TraceRecorder(dist.get_rank())
             dist.barrier()
             steps[name](trace=recorder)
-            durations = {
-                (PHASES[e["cat"]], e["args"]["microbatch"], e["args"]["chunk"]): e["dur"] / 1e6
-                for e in recorder.events
-                if e["cat"] != "comm"
-            }
-            span = (
-                min(e["ts"] for e in recorder.events) / 1e6,
-                max((e["ts"] + e["dur"]) for e in recorder.events) / 1e6,
-            )
             gathered: list = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, (durations, span))
+            dist.all_gather_object(gathered, recorder.events)
             out.setdefault(name, []).append(gathered)
     return out
 
 
 def diagnose(args: argparse.Namespace, name: str, traced: list) -> dict:
-    """The traced steps' span against the simulator's replay of their compute durations
-    with free transfers (medians over the traced steps)."""
+    """The traced steps' span against the replay of their computes through the schedule with
+    free transfers (`timeline.replayed_makespan`; medians over the traced steps)."""
     kind_key, mode = variant_kind(name)
     kind, v = KINDS[kind_key]
-    spans, replays, busy = [], [], []
-    for ranks in traced:  # one traced step: [(durations, (start, end)) per rank]
-        durations = {
-            (rank, Compute(*key)): seconds
-            for rank, (per_rank, _) in enumerate(ranks)
-            for key, seconds in per_rank.items()
-        }
-        sim = replay(kind, PP, v, args.microbatches, durations, post_ahead=MODES[mode])
-        replays.append(sim.makespan)
-        spans.append(max(end for _, (_, end) in ranks) - min(start for _, (start, _) in ranks))
-        busy.append(max(sim.busy(rank) for rank in range(PP)))
-    replayed, span = statistics.median(replays), statistics.median(spans)
-    return {
-        "traced_ms": span * 1e3,
-        "replay_ms": replayed * 1e3,
-        "busiest_rank_compute_ms": statistics.median(busy) * 1e3,
-        "traced_over_replay": span / replayed,
-    }
+    spans, replays = [], []
+    for events_per_rank in traced:
+        boxes = tuple(boxes_from_trace(chrome_trace(events_per_rank)))
+        timeline = Timeline(boxes, PP, args.microbatches, v, name, "ms")
+        replayed = replayed_makespan(timeline, kind, MODES[mode])
+        if replayed is None:
+            raise SystemExit(f"error: the traced step of {name} is not its schedule's computes")
+        spans.append(timeline.makespan)
+        replays.append(replayed)
+    span, replayed = statistics.median(spans), statistics.median(replays)
+    return {"traced_ms": span, "replay_ms": replayed, "traced_over_replay": span / replayed}
 
 
 def _median_clean(samples: list[tuple[float, float]], quiet: float) -> tuple[float, int]:
@@ -470,7 +455,7 @@ def print_table(args: argparse.Namespace, summary: dict) -> None:
     to_1f1b = {
         n: r["ratio_to_torch_1f1b"]
         for n, r in summary["variants"].items()
-        if ("zb" in n or "zero" in n) and "ratio_to_torch_1f1b" in r
+        if KINDS[variant_kind(n)[0]][0] in ZERO_BUBBLE_KINDS and "ratio_to_torch_1f1b" in r
     }
     print(
         "zero-bubble step over torch's 1F1B step: "
