@@ -86,6 +86,15 @@ class Served:
         self.thread.start()
         assert ready.wait(30), "the server did not start"
 
+    def line_after(self, count: int, timeout_s: float = 10.0) -> str:
+        """The server's line number `count` (from 0), waiting for it: the server logs a request
+        after it has sent the answer, so the client can read the answer first."""
+        deadline = time.monotonic() + timeout_s
+        while len(self.lines) <= count and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(self.lines) > count, f"no log line {count} within {timeout_s} s: {self.lines}"
+        return self.lines[count]
+
     def close(self) -> None:
         self.stop.set()
         self.thread.join(10)
@@ -264,11 +273,13 @@ def test_a_silent_client_is_dropped_and_the_next_one_served(single: Served) -> N
 
 
 def test_requests_are_logged_unless_no_log(single: Served) -> None:
-    request(single.port, {"prompts": ["5", "6"], "tokens_to_generate": 3})
-    assert "PUT /api 200" in single.lines[-1] and "2 prompts, 3 tokens" in single.lines[-1]
     before = len(single.lines)
+    request(single.port, {"prompts": ["5", "6"], "tokens_to_generate": 3})
+    line = single.line_after(before)
+    assert "PUT /api 200" in line and "2 prompts, 3 tokens" in line
     request(single.port, {"prompts": ["5"], "tokens_to_generate": 1, "no_log": True})
-    assert len(single.lines) == before
+    request(single.port, {"prompts": ["7"], "tokens_to_generate": 2})  # logged: a marker
+    assert "1 prompts, 2 tokens" in single.line_after(before + 1)  # nothing came between
 
 
 def test_a_port_in_use_is_named(checkpoint: Path) -> None:
