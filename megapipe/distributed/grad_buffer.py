@@ -175,24 +175,23 @@ class GradBuffer:
         summed in fp32). With overlap, the bucket's reduction starts once each of its
         parameters has had all of this step's contributions.
         """
-        bucket = self._bucket_of[id(param)]
+        key = id(param)
+        bucket = self._bucket_of[key]
         if bucket.started:
             raise RuntimeError(
                 f"a gradient of a parameter of shape {tuple(param.shape)} arrived after its "
                 "bucket's reduction started (deferred weight gradients must be computed before "
                 "finish_grad_sync)"
             )
+        main = param.main_grad
         if factors is None:
-            param.main_grad.add_(grad)
-        else:
+            main.add_(grad)
+        else:  # main_grad has the weight's shape [out, in]
             grad_output, inputs = factors
-            main = param.main_grad.view(grad_output.shape[-1], inputs.shape[-1])
             main.addmm_(grad_output.t().to(main.dtype), inputs.to(main.dtype))
-        key = id(param)
-        self._accumulated[key] += 1
-        if self.overlap and self._accumulated[key] == (
-            self.num_microbatches * self._per_microbatch[key]
-        ):
+        count = self._accumulated[key] + 1
+        self._accumulated[key] = count
+        if self.overlap and count == self.num_microbatches * self._per_microbatch[key]:
             bucket.pending.discard(key)
             if not bucket.pending:
                 self._start(bucket)
