@@ -7,9 +7,9 @@ the caller holds anyway while the loss is computed) and two numbers per token:
 
 forward, per rank, over chunks of the local vocabulary (padding ids >= vocab_size skipped): a
 running row max and sum of exponentials in fp32, and the raw target logit on the rank that holds
-the target. Then two all-reduces over TP, as the reference: MAX of the row max, and SUM of one
-stacked [2, tokens] tensor (each rank's sum rescaled to the global max, and the target logit,
-zero on ranks without it). loss = max + log(sum) - target logit. The log-sum-exp is saved.
+the target. Then one all-gather over TP of those [3, tokens], as the reference
+(`combine_over_tp`: each rank's sum rescaled to the global max, the target logit zero on ranks
+without it). loss = max + log(sum) - target logit. The log-sum-exp is saved.
 
 backward recomputes softmax = exp(logit - lse) chunk by chunk, subtracts the one-hot target and
 scales by the incoming gradient, writing each chunk of the gradient (in the logits' dtype); no
@@ -23,8 +23,8 @@ that streams the row, keeping no temporary at all.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from megapipe.layers.cross_entropy import combine_over_tp
 from megapipe.layers.cross_entropy import vocab_parallel_cross_entropy as cross_entropy_reference
 from megapipe.parallel.state import Group
 
@@ -90,11 +90,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         else:
             row_max, sum_exp, target_logit = _torch_stats(rows, local_target, valid, chunk)
         if group.size > 1:
-            local_max = row_max.clone()
-            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group.pg)
-            both = torch.stack([sum_exp * torch.exp(local_max - row_max), target_logit])
-            dist.all_reduce(both, group=group.pg)
-            sum_exp, target_logit = both[0], both[1]
+            row_max, sum_exp, target_logit = combine_over_tp(row_max, sum_exp, target_logit, group)
         lse = row_max + torch.log(sum_exp)
         ctx.save_for_backward(rows, local_target, lse)
         ctx.valid, ctx.chunk, ctx.triton_kernels = valid, chunk, triton_kernels
