@@ -11,7 +11,10 @@ the busiest rank's CPU time per step, steadier on a machine shared with other jo
 * Megatron-Core 0.16: `GPTModel` (local layer spec: TransformerEngine is not installed) in its
   `DistributedDataParallel` with an fp32 gradient buffer, `get_forward_backward_func()` (1F1B
   when PP > 1), `finalize_model_grads`, and `get_megatron_optimizer` with Adam, clip-grad 1.0,
-  weight decay 0.1 (torch's AdamW underneath: apex is not installed).
+  weight decay 0.1 (torch's AdamW underneath: apex is not installed); and, as
+  megatron/training/training.py's train_step does for the logged lm loss, the micro-batches'
+  [loss sum, tokens] all-reduced over the data-parallel group (megapipe's step reduces its
+  loss over DP too: `global_mean_loss`).
 
 Megatron-Core asks for CUDA in a few places that matter nothing on the CPU; in the forked
 ranks only, those calls are redirected to the CPU (`_cpu_only_megatron`). megapipe creates
@@ -141,6 +144,7 @@ class MegatronCoreStep:
         self.causal = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), 1)[None, None]
         self.positions = torch.arange(SEQ).expand(MICRO_BATCH, SEQ)
         dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_group = parallel_state.get_data_parallel_group()
         self.generator = torch.Generator().manual_seed(seed + dp_rank)
         self.last_stage = parallel_state.is_pipeline_last_stage()
 
@@ -155,7 +159,9 @@ class MegatronCoreStep:
 
         def loss_func(per_token):
             loss = (per_token.float() * loss_mask).sum() / loss_mask.sum()
-            return loss, {"lm loss": loss.detach().clone()}  # it divides loss in place
+            # pretrain_gpt.py's report: [loss sum, tokens], reduced over DP in train_step
+            report = torch.stack([loss.detach() * loss_mask.sum(), loss_mask.sum()])
+            return loss, {"lm loss": report}
 
         return output, loss_func
 
@@ -174,7 +180,11 @@ class MegatronCoreStep:
         self.optimizer.step()
         if not self.last_stage:
             return math.nan
-        return statistics.mean(float(x["lm loss"]) for x in losses)
+        # training.py's train_step: the micro-batches' [loss sum, tokens] summed, all-reduced
+        # over the data-parallel group, divided (the logged lm loss)
+        reported = torch.vstack([x["lm loss"].view(-1) for x in losses]).sum(dim=0)
+        torch.distributed.all_reduce(reported, group=self.dp_group)
+        return float(reported[0] / reported[1])
 
 
 def megapipe_flags(tp: int, pp: int, dp: int, micro_batches: int, seed: int) -> list[str]:
