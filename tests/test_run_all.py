@@ -35,6 +35,7 @@ def _write(run_all, name: str, data: dict) -> None:
 
 def test_headlines_and_verdicts_come_from_each_benchmarks_json(run_all) -> None:
     _write(run_all, "step", {"median_ratio": 1.01, "target": 1.03})
+    _write(run_all, "step_h512", {"median_ratio": 1.05, "target": 1.03, "config": {"hidden": 512}})
     layouts = [{"layout": "TP1", "median_ratio": 0.75}, {"layout": "TP2", "median_ratio": 0.91}]
     _write(run_all, "megatron_core", {"target": 0.8, "layouts": layouts})
     _write(run_all, "pipeline", {"variants": {
@@ -43,7 +44,9 @@ def test_headlines_and_verdicts_come_from_each_benchmarks_json(run_all) -> None:
         "torch-1f1b": {"of_bound": 0.92}}})  # fmt: skip
     headlines, problems = run_all.collect({})
     got = {(h.benchmark, h.what): (round(h.ratio, 3), h.verdict) for h in headlines}
-    assert got[("bench_step", next(w for b, w in got if b == "bench_step"))] == (1.01, "met")
+    steps = {w: v for (b, w), v in got.items() if b == "bench_step"}
+    assert list(steps.values()) == [(1.01, "met"), (1.05, "")]  # the wider model: no target
+    assert "hidden 512" in list(steps)[1] and "hidden" not in list(steps)[0]
     mcore = [v for (b, _), v in got.items() if b == "bench_megatron_core"]
     assert mcore == [(0.75, "met"), (0.91, "NOT met")]
     pipeline = {w: v for (b, w), v in got.items() if b == "bench_pipeline"}
