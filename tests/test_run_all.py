@@ -91,6 +91,22 @@ def test_the_section_is_replaced_in_place_and_the_rest_kept(run_all) -> None:
     assert text.endswith("hand-written intro\n\n## bench_x\nnotes\n")
 
 
+def test_a_rebuilt_report_says_when_its_numbers_were_measured(run_all) -> None:
+    """--report-only after runs: the run times and finish times of the recorded runs, not a
+    fresh "Generated" line that would pass for a new measurement."""
+    first = {"status": "ok", "seconds": 12.0, "finished": "2026-12-01T10:00+00:00", "output": "x"}
+    run_all.remember({"step": first})
+    later = {"status": "ok", "seconds": 30.0, "finished": "2026-12-01T11:00+00:00", "output": ""}
+    run_all.remember({"pipeline": later})  # a later --only run adds to the record
+    recorded = run_all.recorded_runs()
+    assert set(recorded) == {"step", "pipeline"} and "output" not in recorded["step"]
+    text = run_all.section([], [], recorded, [], rebuilt=True)
+    assert "Rebuilt " in text and "Generated" not in text
+    assert "measured 2026-12-01T10:00+00:00 to 2026-12-01T11:00+00:00" in text
+    assert "Run time: 42 s (step 12 s, pipeline 30 s)." in text
+    assert "Generated " in run_all.section([], [], {"step": first}, [])
+
+
 def test_plots_are_real_pngs_one_per_benchmark(run_all) -> None:
     headlines = [
         run_all.Headline("bench_step", "a", 1.01, 1.03),
