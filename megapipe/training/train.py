@@ -102,7 +102,7 @@ def build_optimizer(
             bucket_size=opt.ddp_bucket_size,
             overlap=opt.overlap_grad_reduce,
             shard=opt.use_distributed_optimizer,
-            solo=[p for p in [chunk.shared_word_embedding()] if p is not None],
+            solo=_solo_tied_embedding(chunk, state, opt.use_distributed_optimizer),
             activity=activity,
         )
         for chunk in chunks
@@ -410,3 +410,16 @@ def train(
     if configs.logging.tensorboard_dir is not None:
         print_rank_0(state, f"TensorBoard logs in {configs.logging.tensorboard_dir}")
     return results
+
+
+def _solo_tied_embedding(chunk: GPTModel, state: ParallelState, sharded: bool) -> list:
+    """The tied word embedding as a GradBuffer's solo parameter (a bucket of its own) when
+    the distributed optimizer shards the buckets and the embedding's copies on the first and
+    last pipeline stages are summed over the embedding group after the reduce-scatter: both
+    copies must then be sharded alike (Megatron-Core's rule too). Otherwise it shares the
+    buckets: every rank holds its whole gradient, and at DP=2 one bucket instead of two is one
+    sync gloo collective less (0.3-0.5 ms; a DP=2 step's gradient sync went from 7.0 to
+    5.0 ms)."""
+    if state.pp.size == 1 or not sharded:
+        return []
+    return [p for p in [chunk.shared_word_embedding()] if p is not None]
