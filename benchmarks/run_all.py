@@ -1,6 +1,6 @@
 """Run the benchmark suite side by side on this machine and write the report.
 
-    python benchmarks/run_all.py               # the whole suite: 261 s on 2 quiet CPU cores
+    python benchmarks/run_all.py               # the whole suite: 289-308 s on 2 CPU cores
     python benchmarks/run_all.py --only step pipeline
     python benchmarks/run_all.py --report-only # rebuild the report from benchmarks/out/*.json
                                                # (saying when those runs were measured)
