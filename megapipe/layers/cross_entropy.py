@@ -6,7 +6,7 @@ target is elsewhere). ONE all-gather of those [3, tokens] over the TP group give
 the whole vocabulary's max, sum of exponentials and target logit (`combine_over_tp`), hence
 the exact loss; the gradient (softmax minus one-hot) is computed locally from the saved
 per-rank softmax. Megatron-LM all-reduces three times (max, then the sum and the target logit
-at the shifted scale); on the CPU's gloo a collective costs 250-350 us whatever its size,
+at the shifted scale); on the CPU's gloo a small collective costs 0.2-0.4 ms whatever its size,
 so one instead of two is what it saves. On one rank the loss is torch's fused log-softmax with
 a backward in place.
 """
