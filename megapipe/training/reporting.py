@@ -19,7 +19,7 @@ from megapipe.training.flops import device_peak_tflops, flops_per_iteration, thr
 from megapipe.training.interval_stats import IntervalStats
 from megapipe.training.log_format import iteration_line, validation_block
 from megapipe.training.memory_report import memory_report_line
-from megapipe.training.printing import print_rank_last
+from megapipe.training.printing import print_line, print_rank_last
 from megapipe.training.step import StepResult
 from megapipe.training.tensorboard_log import TrainingTensorBoard
 
@@ -91,7 +91,7 @@ class TrainingReporter:
         for name, seconds in result.timers.items():
             self.timers[name] = self.timers.get(name, 0.0) + seconds
         if not self.memory_reported:
-            print(memory_report_line(self.state.rank, iteration, self.state.device), flush=True)
+            print_line(memory_report_line(self.state.rank, iteration, self.state.device))
             self.memory_reported = True
         at_log = iteration % training.log_interval == 0
         iterations = self.stats.iterations

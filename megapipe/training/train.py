@@ -35,7 +35,7 @@ from megapipe.training.exit_conditions import ExitCheck
 from megapipe.training.faults import FaultPlan
 from megapipe.training.log_format import parameter_count_line, world_size_line
 from megapipe.training.lr_schedule import lr_schedule_of
-from megapipe.training.printing import print_rank_0
+from megapipe.training.printing import print_line, print_rank_0
 from megapipe.training.reporting import TrainingReporter
 from megapipe.training.step import GlobalBatch, StepResult, train_step
 from megapipe.training.watchdog import Watchdog, WatchdogSettings
@@ -292,7 +292,7 @@ def train(
     print_rank_0(state, chunks[0].kernel_choices.describe())
     if state.dp.rank == 0:
         count = sum(p.numel() for chunk in chunks for p in chunk.parameters())
-        print(parameter_count_line(state.tp_rank, state.pp_rank, count), flush=True)
+        print_line(parameter_count_line(state.tp_rank, state.pp_rank, count))
 
     trace_path = configs.parallel.pipeline_trace
     trace = TraceRecorder(state.pp_rank) if trace_path else None
@@ -363,7 +363,7 @@ def train(
                 )
             if saved is not None and state.dp.rank == 0 and state.tp.rank == 0:
                 line = measured_line(state.rank, memory[state.pp.rank], saved.peak, state.device)
-                print(line, flush=True)
+                print_line(line)
             results.append(result)
             consumed += batch_size
             scheduled += 0 if result.skipped else batch_size  # Megatron skips skipped steps
