@@ -19,6 +19,7 @@ import torch.distributed as dist
 from megapipe.activity import RankFailure
 from megapipe.arguments import PROG, parse_args
 from megapipe.checkpointing.errors import CheckpointError
+from megapipe.console import print_line
 from megapipe.data.errors import DataError
 from megapipe.errors import ConfigError, error_line, split_debug
 from megapipe.parallel import ParallelState, initialize_distributed
@@ -36,10 +37,8 @@ def _world_size() -> int:
 
 
 def _say(line: str) -> None:
-    """One line to stderr in a single write: ranks sharing a pipe (torchrun) never interleave
-    their lines, as print's separate writes of the text and the newline can."""
-    sys.stderr.write(line + "\n")
-    sys.stderr.flush()
+    """One line to stderr, whole (ranks share torchrun's pipe)."""
+    print_line(line, sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import textwrap
 
-from megapipe.training.printing import print_line
+from megapipe.console import print_line
 
 
 class _Writes(io.StringIO):
@@ -38,7 +38,7 @@ def test_two_unbuffered_processes_on_one_pipe_keep_their_lines_whole() -> None:
     script = textwrap.dedent(
         """
         import sys
-        from megapipe.training.printing import print_line
+        from megapipe.console import print_line
         rank = sys.argv[1]
         for i in range(3000):
             print_line(f"rank {rank} line {i} " + "x" * 60)

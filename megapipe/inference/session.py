@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from megapipe.checkpointing.hf_tokenizer import saved_tokenizer
+from megapipe.console import print_line
 from megapipe.data.errors import TokenizerError
 from megapipe.data.tokenizers.base import TOKENIZER_TYPES, Tokenizer, TokenizerSpec
 from megapipe.data.tokenizers.factory import build_tokenizer
@@ -135,5 +136,4 @@ def start_session(args: argparse.Namespace) -> Session:
 
 def print_once(line: str) -> None:
     """A line to stderr in one write (ranks sharing torchrun's pipe never interleave)."""
-    sys.stderr.write(line + "\n")
-    sys.stderr.flush()
+    print_line(line, sys.stderr)

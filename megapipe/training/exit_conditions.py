@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from megapipe.activity import Activity
 from megapipe.config import TrainingConfig
+from megapipe.console import print_line
 from megapipe.parallel.state import ParallelState
 
 DEBOUNCE_S = 1.0  # a repeat within this long is the same request (torchrun forwards signals)
@@ -141,8 +142,7 @@ class TeardownReport:
 
 def _say(line: str) -> None:
     sys.stdout.flush()
-    sys.stderr.write(line + "\n")
-    sys.stderr.flush()
+    print_line(line, sys.stderr)
 
 
 @dataclass

@@ -22,6 +22,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from megapipe.console import print_line
 from megapipe.errors import ConfigError
 
 ENV_VAR = "MEGAPIPE_FAULT"
@@ -92,9 +93,9 @@ class FaultPlan:
         if fault is None:
             return
         sys.stdout.flush()
-        sys.stderr.write(
+        print_line(
             f"{ENV_VAR}: {fault.action} rank {fault.rank} at {moment} of iteration {iteration} "
-            f"(pid {os.getpid()})\n"
+            f"(pid {os.getpid()})",
+            sys.stderr,
         )
-        sys.stderr.flush()
         os.kill(os.getpid(), ACTIONS[fault.action])

@@ -14,12 +14,13 @@ import time
 import torch
 
 from megapipe.config import Configs
+from megapipe.console import print_line
 from megapipe.parallel.state import ParallelState
 from megapipe.training.flops import device_peak_tflops, flops_per_iteration, throughput
 from megapipe.training.interval_stats import IntervalStats
 from megapipe.training.log_format import iteration_line, validation_block
 from megapipe.training.memory_report import memory_report_line
-from megapipe.training.printing import print_line, print_rank_last
+from megapipe.training.printing import print_rank_last
 from megapipe.training.step import StepResult
 from megapipe.training.tensorboard_log import TrainingTensorBoard
 

@@ -11,6 +11,7 @@ from megapipe.activity import Activity, is_communication_failure
 from megapipe.checkpointing.checkpointer import Checkpointer
 from megapipe.checkpointing.run_state import Progress
 from megapipe.config import Configs
+from megapipe.console import print_line
 from megapipe.data.sources import BatchSources, build_batch_sources
 from megapipe.distributed.grad_buffer import GradBuffer
 from megapipe.distributed.loss_scaler import make_loss_scaler
@@ -35,7 +36,7 @@ from megapipe.training.exit_conditions import ExitCheck
 from megapipe.training.faults import FaultPlan
 from megapipe.training.log_format import parameter_count_line, world_size_line
 from megapipe.training.lr_schedule import lr_schedule_of
-from megapipe.training.printing import print_line, print_rank_0
+from megapipe.training.printing import print_rank_0
 from megapipe.training.reporting import TrainingReporter
 from megapipe.training.step import GlobalBatch, StepResult, train_step
 from megapipe.training.watchdog import Watchdog, WatchdogSettings
