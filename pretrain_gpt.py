@@ -19,7 +19,7 @@ import torch.distributed as dist
 from megapipe.activity import RankFailure
 from megapipe.arguments import PROG, parse_args
 from megapipe.checkpointing.errors import CheckpointError
-from megapipe.console import print_line
+from megapipe.console import say
 from megapipe.data.errors import DataError
 from megapipe.errors import ConfigError, error_line, split_debug
 from megapipe.parallel import ParallelState, initialize_distributed
@@ -36,11 +36,6 @@ def _world_size() -> int:
         raise ConfigError(f"environment variable WORLD_SIZE={value!r} is not an integer") from None
 
 
-def _say(line: str) -> None:
-    """One line to stderr, whole (ranks share torchrun's pipe)."""
-    print_line(line, sys.stderr)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one rank of the job; returns the process exit status."""
     argv, debug = split_debug(sys.argv[1:] if argv is None else argv)
@@ -50,11 +45,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             warnings.simplefilter("ignore")  # reported below, once, from rank 0
             configs = parse_args(argv, world_size)
     except ConfigError as error:
-        _say(error_line(PROG, error, debug))
+        say(error_line(PROG, error, debug))
         return 2
     if os.environ.get("RANK", "0") == "0":
         for note in configs.warnings:
-            _say(f"{PROG}: warning: {note}")
+            say(f"{PROG}: warning: {note}")
 
     parallel = configs.parallel
     device = initialize_distributed(
@@ -66,10 +61,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         train(configs, state)
     except ConfigError as error:  # found once the device is known (a forced kernel missing)
-        _say(error_line(PROG, error, debug))
+        say(error_line(PROG, error, debug))
         return 2
     except (NumericalFaultError, DataError, CheckpointError, RankFailure) as error:
-        _say(error_line(PROG, error, debug))
+        say(error_line(PROG, error, debug))
         return 1
     finally:
         dist.destroy_process_group()

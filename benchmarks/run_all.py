@@ -31,6 +31,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from megapipe.atomic_files import atomic_write, write_json  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "out"
 PLOTS = HERE / "plots"
@@ -272,12 +276,9 @@ def run(bench: Benchmark) -> dict:
 def remember(runs: dict[str, dict]) -> None:
     """Keep each benchmark's last run (status, seconds, when it finished) in OUT, so that a
     report rebuilt later (--report-only) says when its numbers were measured."""
-    path = OUT / RUNS
     known = recorded_runs()
     known.update({name: {k: v for k, v in r.items() if k != "output"} for name, r in runs.items()})
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(known, indent=1))
-    os.replace(tmp, path)
+    write_json(OUT / RUNS, known, indent=1)
 
 
 def recorded_runs() -> dict[str, dict]:
@@ -391,9 +392,8 @@ def write_section(text: str) -> None:
     else:
         title, _, body = current.partition("\n")
         new = f"{title}\n\n{text}\n{body}"
-    tmp = RESULTS.with_suffix(".md.tmp")
-    tmp.write_text(new)
-    os.replace(tmp, RESULTS)
+    with atomic_write(RESULTS) as temp:
+        temp.write_text(new)
 
 
 def main(argv: list[str] | None = None) -> int:

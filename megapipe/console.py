@@ -16,5 +16,12 @@ def print_line(message: str, file: TextIO | None = None) -> None:
     PIPE_BUF (4096 bytes) reaches a pipe whole.
     """
     stream = sys.stdout if file is None else file
+    if stream is not sys.stdout:
+        sys.stdout.flush()  # what this process printed before comes first
     stream.write(message + "\n")
     stream.flush()
+
+
+def say(message: str) -> None:
+    """A line to stderr, whole (sys.stderr as it is at the call: tests may capture it)."""
+    print_line(message, sys.stderr)

@@ -28,6 +28,7 @@ import torch.distributed as dist  # noqa: E402
 
 from megapipe.atomic_files import atomic_write  # noqa: E402
 from megapipe.checkpointing.errors import CheckpointError  # noqa: E402
+from megapipe.console import say  # noqa: E402
 from megapipe.data.errors import DataError  # noqa: E402
 from megapipe.data.tokenizers.null_tokenizer import NullTokenizer  # noqa: E402
 from megapipe.data.tool_cli import OneLineParser  # noqa: E402
@@ -36,7 +37,6 @@ from megapipe.inference.generation import GenerationError, generate  # noqa: E40
 from megapipe.inference.session import (  # noqa: E402
     add_model_flags,
     add_sampling_flags,
-    print_once,
     sampling_options,
     start_session,
 )
@@ -82,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _run(args)
     except (GenerationError, CheckpointError, ConfigError, DataError) as error:
-        print_once(error_line(PROG, error, debug))
+        say(error_line(PROG, error, debug))
         return 2
     finally:
         if dist.is_initialized():
@@ -111,7 +111,7 @@ def _run(args: argparse.Namespace) -> int:
         records.append({**record, "tokens": result.tokens, "stopped_at_eod": result.stopped_at_eod})
     new = sum(len(r.tokens) for r in results)
     cache = "without the KV cache" if args.no_kv_cache else "with the KV cache"
-    print_once(f"generated {new} tokens for {len(prompts)} prompts in {seconds:.2f} s "
+    say(f"generated {new} tokens for {len(prompts)} prompts in {seconds:.2f} s "
                f"({new / max(seconds, 1e-9):.1f} tokens/s, {cache})")  # fmt: skip
     if args.output_file:
         with atomic_write(args.output_file) as temp:

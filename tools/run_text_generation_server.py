@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch.distributed as dist  # noqa: E402
 
 from megapipe.checkpointing.errors import CheckpointError  # noqa: E402
+from megapipe.console import say  # noqa: E402
 from megapipe.data.errors import DataError  # noqa: E402
 from megapipe.data.tool_cli import OneLineParser  # noqa: E402
 from megapipe.errors import ConfigError, error_line, split_debug  # noqa: E402
@@ -44,7 +45,6 @@ from megapipe.inference.server_request import Limits  # noqa: E402
 from megapipe.inference.session import (  # noqa: E402
     add_model_flags,
     add_sampling_flags,
-    print_once,
     sampling_options,
     start_session,
 )
@@ -81,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _run(args)
     except (GenerationError, CheckpointError, ConfigError, DataError, ServerError) as error:
-        print_once(error_line(PROG, error, debug))
+        say(error_line(PROG, error, debug))
         return 2
     finally:
         if dist.is_initialized():
@@ -103,7 +103,7 @@ def _run(args: argparse.Namespace) -> int:
 
     def ready(host: str, port: int) -> None:
         print_address(host, port)
-        print_once(f"rank 0 is process {os.getpid()}: SIGINT or SIGTERM to it stops every rank")
+        say(f"rank 0 is process {os.getpid()}: SIGINT or SIGTERM to it stops every rank")
 
     serve(session, limits, defaults, seed=args.seed, host=args.host, port=args.port, stop=stop,
           on_ready=ready)  # fmt: skip

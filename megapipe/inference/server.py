@@ -35,6 +35,7 @@ from urllib.parse import urlsplit
 
 import torch.distributed as dist
 
+from megapipe.console import say
 from megapipe.data.tokenizers.base import Tokenizer
 from megapipe.inference.generation import Generation, GenerationError, generate
 from megapipe.inference.loading import InferenceModel
@@ -48,7 +49,7 @@ from megapipe.inference.server_request import (
     parse_request,
     tokenize_prompts,
 )
-from megapipe.inference.session import Session, print_once
+from megapipe.inference.session import Session
 from megapipe.parallel.state import ParallelState
 
 API_PATH = "/api"
@@ -292,7 +293,7 @@ def serve(
     port: int = 5000,
     stop: threading.Event,
     on_ready: Callable[[str, int], None] | None = None,
-    say: Say = print_once,
+    say: Say = say,
     heartbeat_s: float = HEARTBEAT_S,
 ) -> None:
     """Serve `PUT /api` until `stop` is set (collective: every rank calls it). Rank 0 binds

@@ -11,13 +11,12 @@ writes token ids, space-separated, as Megatron's NullTokenizer, and never stops 
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import dataclass
 
 import torch
 
 from megapipe.checkpointing.hf_tokenizer import saved_tokenizer
-from megapipe.console import print_line
+from megapipe.console import say
 from megapipe.data.errors import TokenizerError
 from megapipe.data.tokenizers.base import TOKENIZER_TYPES, Tokenizer, TokenizerSpec
 from megapipe.data.tokenizers.factory import build_tokenizer
@@ -128,12 +127,9 @@ def start_session(args: argparse.Namespace) -> Session:
         )
     state = ParallelState.build(tp, pp, device)
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
-    say = print_once if state.rank == 0 else (lambda _: None)
-    model = load_inference_model(args.load, state, ckpt_step=args.ckpt_step, dtype=dtype, say=say)
+    on_rank_0 = say if state.rank == 0 else (lambda _: None)
+    model = load_inference_model(
+        args.load, state, ckpt_step=args.ckpt_step, dtype=dtype, say=on_rank_0
+    )
     tokenizer, eod = build_session_tokenizer(args, model)
     return Session(model, tokenizer, eod)
-
-
-def print_once(line: str) -> None:
-    """A line to stderr in one write (ranks sharing torchrun's pipe never interleave)."""
-    print_line(line, sys.stderr)

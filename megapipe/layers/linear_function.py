@@ -98,14 +98,9 @@ class _TensorParallelLinear(torch.autograd.Function):
     def backward(ctx, grad_output):
         (x,) = ctx.saved_tensors
         call: _Call = ctx.call
-        wants_input, wants_weight, wants_bias = ctx.needs_input_grad[:3]
-        wants_weights = wants_weight or wants_bias
+        wants_input = ctx.needs_input_grad[0]
+        wants_weights = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
         defer = wants_weights and call.store is not None and call.store.is_deferring
-        if call.input_comm == "none" and not defer:  # no collective: one TP rank, row-parallel
-            grad_input = grad_output.matmul(call.weight) if wants_input else None
-            if not wants_weights:
-                return grad_input, None, None, None
-            return (grad_input, *_weight_grads(call, x, grad_output, x, True), None)
         sequence = call.input_comm == "sequence"
         gather = None
         if sequence and wants_weights and not defer:

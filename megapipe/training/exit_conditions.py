@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
 import time
 import types
@@ -32,7 +31,7 @@ import torch.distributed as dist
 
 from megapipe.activity import Activity
 from megapipe.config import TrainingConfig
-from megapipe.console import print_line
+from megapipe.console import say
 from megapipe.parallel.state import ParallelState
 
 DEBOUNCE_S = 1.0  # a repeat within this long is the same request (torchrun forwards signals)
@@ -109,12 +108,12 @@ class SignalCatcher:
             now = time.monotonic()
             if self.received is None:
                 self.received, self._first_at = signum, now
-                _say(
+                say(
                     f"received {signal_name(signum)}: stopping after this iteration, with a "
                     "checkpoint when --save is set (a second signal exits at once)"
                 )
             elif now - self._first_at > DEBOUNCE_S:
-                _say(f"received {signal_name(signum)} again: exiting at once")
+                say(f"received {signal_name(signum)} again: exiting at once")
                 os._exit(128 + signum)
 
     def close(self) -> None:
@@ -130,7 +129,7 @@ class TeardownReport:
         self._thread = _SignalThread((signal.SIGTERM,), self._report)
 
     def _report(self, signum: int) -> None:
-        _say(
+        say(
             f"megapipe: {self.activity.where()}: terminated by {signal_name(signum)} (the "
             "launcher stopping the job, e.g. after another rank failed)"
         )
@@ -138,11 +137,6 @@ class TeardownReport:
 
     def close(self) -> None:
         self._thread.close()
-
-
-def _say(line: str) -> None:
-    sys.stdout.flush()
-    print_line(line, sys.stderr)
 
 
 @dataclass

@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from megapipe.console import print_line
+from megapipe.console import say
 from megapipe.errors import ConfigError
 
 ENV_VAR = "MEGAPIPE_FAULT"
@@ -92,10 +91,8 @@ class FaultPlan:
         fault = self._pending.pop((moment, iteration), None)
         if fault is None:
             return
-        sys.stdout.flush()
-        print_line(
+        say(
             f"{ENV_VAR}: {fault.action} rank {fault.rank} at {moment} of iteration {iteration} "
-            f"(pid {os.getpid()})",
-            sys.stderr,
+            f"(pid {os.getpid()})"
         )
         os.kill(os.getpid(), ACTIONS[fault.action])
