@@ -2,8 +2,10 @@
 
 1. --cpu: measured CPU runs of a small GPT (pretrain_gpt.py, gloo, one thread per rank) at
    1 rank, TP2, PP2 and DP2, two alternating rounds each. A CPU cluster preset is measured
-   first: the peak FLOP/s of a 1024^3 fp32 matmul on one thread and the bandwidth of a 16 MiB
-   gloo all-reduce between two forked ranks. The matmul efficiency is calibrated on the 1-rank
+   first: the peak FLOP/s of a 1024^3 fp32 matmul on one thread, the bandwidth of a 16 MiB
+   gloo all-reduce between two forked ranks and the fixed cost of a collective inside a step
+   (an all-reduce of one activation issued after compute, less its bytes at that bandwidth).
+   The matmul efficiency is calibrated on the 1-rank
    run (its measured step time against the planner's compute term); the other layouts are
    predictions. Step time: the fastest `elapsed time per iteration` of iterations 3..N over
    the rounds (the least disturbed one: the machine is shared; the median is in the JSON).
@@ -92,6 +94,32 @@ def measure_bandwidth_gbps(nbytes: int = 16 * 1024 * 1024, repeats: int = 5) -> 
     return 2 * (2 - 1) / 2 * nbytes / seconds / 1e9
 
 
+def _all_reduce_after_compute(rank: int, world: int, numel: int, repeats: int) -> float:
+    """Median seconds of an all-reduce of `numel` floats issued after ~5 ms of matmuls, as a
+    training step issues its TP collectives (back-to-back all-reduces are 3x faster on gloo:
+    its threads are awake)."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    x, a, b = torch.ones(numel), torch.randn(256, 384), torch.randn(384, 1152)
+    times = []
+    for i in range(repeats + 3):
+        for _ in range(2):
+            a @ b
+        start = time.perf_counter()
+        dist.all_reduce(x)
+        if i >= 3:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_latency_us(nbytes: int, gbps: float, repeats: int = 40) -> float:
+    """The fixed cost of one collective inside a step: an all-reduce of `nbytes` after compute,
+    less its bytes at the bandwidth (2 (n-1)/n x bytes / `gbps`, n = 2), in microseconds."""
+    seconds = max(run_distributed(_all_reduce_after_compute, 2, nbytes // 4, repeats))
+    return max(0.0, seconds - nbytes / (gbps * 1e9)) * 1e6
+
+
 CPU_MODEL = dict(layers=4, hidden=384, heads=4, seq=128, vocab=2048)
 BASELINE_MODEL = dict(layers=1, hidden=64, heads=4, seq=128, vocab=128)
 MICRO_BATCH, GLOBAL_BATCH, ITERS, ROUNDS = 2, 8, 8, 2
@@ -157,12 +185,15 @@ def cpu_validation() -> dict:
     load_before = os.getloadavg()[0]
     peak = measure_peak_tflops()
     bandwidth = measure_bandwidth_gbps()
+    activation = CPU_MODEL["seq"] * MICRO_BATCH * CPU_MODEL["hidden"] * 4  # fp32 s b h
+    latency = measure_latency_us(activation, bandwidth)
     knobs = TimeKnobs(half_precision=False)
     cluster = Cluster("CPU (measured)", gpus_per_node=4, nodes=1, memory_bytes=8 * GIB,
                       peak_tflops=peak, intra_node_gbps=bandwidth, inter_node_gbps=bandwidth,
-                      matmul_efficiency=1.0)  # fmt: skip
+                      matmul_efficiency=1.0, collective_latency_us=latency)  # fmt: skip
     print(f"CPU preset: matmul {peak * 1e3:.1f} GFLOP/s (1 thread), gloo all-reduce "
-          f"{bandwidth:.2f} GB/s", flush=True)  # fmt: skip
+          f"{bandwidth:.2f} GB/s, {latency:.0f} us per collective (an activation's all-reduce "
+          "after compute, less its bytes)", flush=True)  # fmt: skip
     model, tiny = model_config(CPU_MODEL), model_config(BASELINE_MODEL)
     base_run = run_pretrain(1, _flags(BASELINE_MODEL))
     base_estimate = layout_memory(tiny, Layout(1, 1, 1, micro_batch=MICRO_BATCH), GLOBAL_BATCH,
@@ -224,6 +255,7 @@ def cpu_validation() -> dict:
     print(f"load average (1 min) before / after: {load[0]:.1f} / {load[1]:.1f} on "
           f"{os.cpu_count()} cores")  # fmt: skip
     return {"peak_tflops": peak, "allreduce_gbps": bandwidth, "baseline_mib": baseline,
+            "collective_latency_us": latency,
             "load_average": load,
             "matmul_efficiency": efficiency, "model": CPU_MODEL, "micro_batch": MICRO_BATCH,
             "global_batch": GLOBAL_BATCH, "rows": table}  # fmt: skip
@@ -240,10 +272,13 @@ def paper_flops(run: PublishedRun) -> float:
 
 
 MEGATRON_2021 = PlanOptions(recompute=("full",), distributed_optimizer=(False,),
-                            schedules=("1f1b", "interleaved-1f1b"))  # fmt: skip
+                            schedules=("1f1b", "interleaved-1f1b"),
+                            knobs=TimeKnobs(tp_weight_grad_overlap=False))  # fmt: skip
 # The same, with the gradient all-reduce wholly hidden behind the backward: how much of the
 # disagreement with Megatron's choices rests on the DP overlap assumption.
-MEGATRON_2021_DP_HIDDEN = dataclasses.replace(MEGATRON_2021, knobs=TimeKnobs(dp_overlap=1.0))
+MEGATRON_2021_DP_HIDDEN = dataclasses.replace(
+    MEGATRON_2021, knobs=dataclasses.replace(MEGATRON_2021.knobs, dp_overlap=1.0)
+)
 VARIANTS = {"2021": MEGATRON_2021, "2021, DP hidden": MEGATRON_2021_DP_HIDDEN,
             "megapipe": PlanOptions()}  # fmt: skip
 

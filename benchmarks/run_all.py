@@ -130,6 +130,16 @@ def _pipeline(data: dict) -> list[Headline]:
                         higher=True,
                     )  # fmt: skip
                 )
+            if "diagnosis" in row:  # the bound at this model's measured per-action costs
+                out.append(
+                    Headline(
+                        "bench_pipeline",
+                        f"{name}: replay of its traced computes (free transfers) / traced step",
+                        1 / row["diagnosis"]["traced_over_replay"],
+                        0.95,
+                        higher=True,
+                    )  # fmt: skip
+                )
             if "ratio_to_torch" in row:
                 out.append(
                     Headline(
@@ -204,11 +214,12 @@ def _planner(data: dict) -> list[Headline]:
 
 
 SUITE = (
-    Benchmark("step", "bench_step.py", ("--rounds", "9", "--steps", "3"), 180, _step),
+    # 30 rounds (2 s): at 9 the median's interquartile range spanned 0.96-1.09
+    Benchmark("step", "bench_step.py", ("--rounds", "30", "--steps", "3"), 180, _step),
     Benchmark(
         "step_h512",
         "bench_step.py",
-        ("--rounds", "9", "--steps", "3", "--hidden", "512"),
+        ("--rounds", "15", "--steps", "3", "--hidden", "512"),
         240,
         _step,
     ),

@@ -33,7 +33,8 @@ import plan as plan_tool  # noqa: E402
 MODEL = ModelConfig(num_layers=8, hidden_size=256, num_attention_heads=8, vocab_size=1000,
                     seq_length=128)  # fmt: skip
 SMALL = Cluster("test", gpus_per_node=4, nodes=2, memory_bytes=4 * GIB, peak_tflops=100.0,
-                intra_node_gbps=100.0, inter_node_gbps=10.0, matmul_efficiency=0.5)  # fmt: skip
+                intra_node_gbps=100.0, inter_node_gbps=10.0, matmul_efficiency=0.5,
+                collective_latency_us=20.0)  # fmt: skip
 
 LAYOUTS = [
     Layout(tp=1, pp=1, dp=8, micro_batch=2),
@@ -111,12 +112,43 @@ def test_time_terms_by_hand() -> None:
     rate = 100e12 * 0.5
     m = 8
     assert t.compute == pytest.approx(m * last_stage / 2 / rate)
-    all_reduce = 2 * (2 - 1) / 2 * (s * b * h * 2) / 100e9  # ring, bf16, NVLink
-    tp_per_mb = (4 * L // 2 + 1) * all_reduce  # 4 per layer + the output layer's
+    alpha = 20e-6  # each collective's and send's fixed cost
+    all_reduce = 2 * (2 - 1) / 2 * (s * b * h * 2) / 100e9 + alpha  # ring, bf16, NVLink
+
+    # Backward all-reduces run while the same linear's weight gradient is computed: only the
+    # excess counts. Per layer: 2 forward + QKV's and FC1's; then the output layer's and the
+    # cross-entropy's all-gather (its latency).
+    def beyond(out_features: int) -> float:
+        return max(0.0, all_reduce - 2 * T * h * out_features / 2 / rate)
+
+    tp_per_mb = L // 2 * (2 * all_reduce + beyond(3 * h) + beyond(4 * h)) + beyond(V) + alpha
+    assert 0 < beyond(V) <= beyond(4 * h) < beyond(3 * h) < all_reduce  # partly hidden
     assert t.tp_comm == pytest.approx(m * tp_per_mb)
+    unhidden = step_time(MODEL, layout, cluster, 16, TimeKnobs(tp_weight_grad_overlap=False))
+    assert unhidden.tp_comm == pytest.approx(m * (4 * L // 2 + 1) * all_reduce + m * alpha)
+    slow_links = dataclasses.replace(cluster, intra_node_gbps=1.0)  # partly hidden
+    slow = step_time(MODEL, layout, slow_links, 16)
+    ring = (s * b * h * 2) / 1e9 + alpha
+    hidden = sum(2 * T * h * n / 2 / rate for n in (3 * h, 4 * h))
+    logits_weight_grad = 2 * T * h * V / 2 / rate
+    exposed = L // 2 * (4 * ring - hidden) + ring - logits_weight_grad + alpha
+    assert slow.tp_comm == pytest.approx(m * exposed)
     p = 2
-    assert t.bubble / (t.compute + t.tp_comm + t.bubble) == pytest.approx((p - 1) / (m + p - 1))
-    assert t.pp_comm == pytest.approx(2 * (m + p - 1) * (s * b * h * 2 / 2) / 100e9)
+    first_stage = (
+        3 * L // 2 * layer / 2 / rate
+        + L
+        // 2
+        * (  # the embedding's all-reduce
+            2 * all_reduce + beyond(3 * h) + beyond(4 * h)
+        )
+        + all_reduce
+    )
+    assert t.bubble == pytest.approx((p - 1) * first_stage)  # it fills and drains the last
+    tiny_logits = dataclasses.replace(MODEL, vocab_size=128)
+    even = step_time(tiny_logits, dataclasses.replace(layout, tp=1), cluster, 16)
+    share = even.bubble / (even.compute + even.tp_comm + even.bubble)
+    assert share == pytest.approx((p - 1) / (m + p - 1), rel=0.02)  # tiny logits: the closed form
+    assert t.pp_comm == pytest.approx(2 * (m + p - 1) * ((s * b * h * 2 / 2) / 100e9 + alpha))
     assert t.dp_comm == 0.0
     three_iterations = 3 * (L * layer + 2 * T * h * V) * m  # Megatron's model FLOPs
     assert t.flops == three_iterations
@@ -129,13 +161,15 @@ def test_data_parallel_bytes_by_hand() -> None:
     cluster = dataclasses.replace(SMALL, nodes=1)
     params = layout_memory(MODEL, layout, 8).parameters
     ddp = step_time(MODEL, layout, cluster, 8).dp_comm
-    assert ddp == pytest.approx(2 * 3 / 4 * params * 4 / 100e9)
+    alpha = 20e-6  # one bucket (under 40M elements): one all-reduce
+    assert params < 40_000_000
+    assert ddp == pytest.approx(2 * 3 / 4 * params * 4 / 100e9 + alpha)
     zero = step_time(MODEL, dataclasses.replace(layout, distributed_optimizer=True), cluster, 8)
-    assert zero.dp_comm == pytest.approx(3 / 4 * params * (4 + 2) / 100e9)
+    assert zero.dp_comm == pytest.approx(3 / 4 * params * (4 + 2) / 100e9 + 2 * alpha)
     hidden = step_time(MODEL, layout, cluster, 8, TimeKnobs(dp_overlap=0.75)).dp_comm
     assert hidden == pytest.approx(ddp / 4)
     across = step_time(MODEL, layout, dataclasses.replace(cluster, gpus_per_node=2), 8).dp_comm
-    assert across == pytest.approx(ddp * 10)  # 10x slower InfiniBand
+    assert across == pytest.approx((ddp - alpha) * 10 + alpha)  # 10x slower InfiniBand
 
 
 def _reasons(result) -> dict[str, list[str]]:
@@ -188,6 +222,7 @@ def test_better_hardware_never_makes_the_choice_slower() -> None:
         dataclasses.replace(SMALL, memory_bytes=64 * GIB),
         dataclasses.replace(SMALL, inter_node_gbps=50.0),
         dataclasses.replace(SMALL, intra_node_gbps=400.0, inter_node_gbps=40.0),
+        dataclasses.replace(SMALL, collective_latency_us=0.0),
     ):
         assert plan(MODEL, better, 16).ranked[0].time.total <= base
     tight = dataclasses.replace(SMALL, memory_bytes=0.05 * GIB)
@@ -216,6 +251,30 @@ def test_cli_prints_the_ranking_and_why(capsys) -> None:
     assert "rejected:\n" in out and "GiB usable" not in out  # the tiny model fits 80 GiB anyhow
 
 
+def _tp2_step_seconds(capsys, *extra: str) -> tuple[float, str]:
+    """The CLI's estimated step of TP2 PP1 DP1 (a 1.3B model on 2 GPUs), and its output."""
+    plan_tool.main(["--model-preset", "gpt3-1.3b", "--global-batch-size", "16",
+                    "--gpus-per-node", "2", "--nodes", "1", "--micro-batch-sizes", "1",
+                    "--recompute", "none", "--schedules", "1f1b", "--top", "50",
+                    *extra])  # fmt: skip
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if "| TP2 PP1 DP1 mb1 none" in line)
+    return float(row.split("|")[3]), out
+
+
+def test_cli_latency_and_async_all_reduce_flags_change_the_estimate(capsys) -> None:
+    base, out = _tp2_step_seconds(capsys)
+    assert "30 us per collective" in out  # the preset's
+    unhidden, _ = _tp2_step_seconds(capsys, "--no-async-tensor-model-parallel-allreduce")
+    assert unhidden > base  # the backward all-reduces no longer hide under the dW matmuls
+    slower, out = _tp2_step_seconds(
+        capsys, "--collective-latency-us", "1000", "--no-async-tensor-model-parallel-allreduce"
+    )
+    assert "1000 us per collective" in out
+    # 16 micro-batches x (24 layers x 4 + embedding + output layer + cross-entropy)
+    assert slower - unhidden == pytest.approx(16 * (24 * 4 + 3) * (1000 - 30) * 1e-6, abs=2e-3)
+
+
 @pytest.mark.parametrize(
     "argv,flag",
     [
@@ -231,6 +290,17 @@ def test_cli_prints_the_ranking_and_why(capsys) -> None:
         ),
         (["--hidden-size", "64", "--global-batch-size", "8"], "--num-layers"),
         (["--model-preset", "gpt3-125m"], "--global-batch-size"),
+        (
+            [
+                "--model-preset",
+                "gpt3-125m",
+                "--global-batch-size",
+                "8",
+                "--collective-latency-us",
+                "-1",
+            ],
+            "--collective-latency-us",
+        ),  # fmt: skip
         (
             ["--model-preset", "gpt3-125m", "--global-batch-size", "8", "--recompute", "half"],
             "--recompute",

@@ -40,7 +40,8 @@ def test_headlines_and_verdicts_come_from_each_benchmarks_json(run_all) -> None:
     _write(run_all, "megatron_core", {"target": 0.8, "layouts": layouts})
     _write(run_all, "pipeline", {"variants": {
         "megapipe-1f1b": {"of_bound": 0.97, "ratio_to_torch": 0.98, "ratio_to_torch_1f1b": 0.98},
-        "megapipe-zero-bubble-h1": {"of_bound": 0.9, "ratio_to_torch_1f1b": 0.85},
+        "megapipe-zero-bubble-h1": {"of_bound": 0.9, "ratio_to_torch_1f1b": 0.85,
+                                    "diagnosis": {"traced_over_replay": 1.25}},
         "torch-1f1b": {"of_bound": 0.92}}})  # fmt: skip
     headlines, problems = run_all.collect({})
     got = {(h.benchmark, h.what): (round(h.ratio, 3), h.verdict) for h in headlines}
@@ -53,6 +54,9 @@ def test_headlines_and_verdicts_come_from_each_benchmarks_json(run_all) -> None:
     assert pipeline["megapipe-1f1b: efficiency / schedule bound"] == (0.97, "met")
     assert pipeline["megapipe-zero-bubble-h1: efficiency / schedule bound"] == (0.9, "NOT met")
     assert pipeline["megapipe-zero-bubble-h1 / torch's 1F1B"] == (0.85, "met")
+    replay = "megapipe-zero-bubble-h1: replay of its traced computes (free transfers) / traced step"
+    assert pipeline[replay] == (0.8, "NOT met")  # 1 / 1.25, a floor of 0.95
+    assert not any("replay" in w for w in pipeline if w.startswith("megapipe-1f1b"))
     assert not any(w.startswith("torch-") for w in pipeline)  # torch's rows are the baseline
     assert [p.split(":")[0] for p in problems] == [
         "pipeline_m4", "data_parallel", "planner"]  # no JSON yet  # fmt: skip

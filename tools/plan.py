@@ -53,6 +53,7 @@ def _number(convert: type, accept, what: str):
 
 _positive_int = _number(int, lambda v: v > 0, "a positive integer")
 _positive_float = _number(float, lambda v: v > 0, "a positive number")
+_non_negative_float = _number(float, lambda v: v >= 0, "a number >= 0")
 _fraction = _number(float, lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]")
 
 
@@ -90,6 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--intra-node-gbps", type=_positive_float, help="GB/s per GPU, one way.")
     cluster.add_argument("--inter-node-gbps", type=_positive_float, help="GB/s per GPU, one way.")
     cluster.add_argument("--matmul-efficiency", type=_fraction, help="Achieved fraction of peak.")
+    cluster.add_argument(
+        "--collective-latency-us",
+        type=_non_negative_float,
+        help="Fixed cost of each collective and pipeline send, in us.",
+    )
 
     search = parser.add_argument_group("search and assumptions")
     search.add_argument("--micro-batch-sizes", type=_int_list, default=(1, 2, 4, 8))
@@ -107,6 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
     search.add_argument("--fp32", action="store_true", help="fp32 instead of bf16.")
     search.add_argument("--tp-overlap", type=_fraction, default=0.0, help="Hidden TP comm.")
     search.add_argument("--dp-overlap", type=_fraction, default=0.0, help="Hidden DP comm.")
+    search.add_argument(
+        "--no-async-tensor-model-parallel-allreduce",
+        action="store_true",
+        help="Backward TP all-reduces not hidden under the weight-gradient "
+        "matmuls (pretrain_gpt.py's flag of the same name).",
+    )
 
     output = parser.add_argument_group("output")
     output.add_argument("--top", type=_positive_int, default=10)
@@ -177,6 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ("intra_node_gbps", args.intra_node_gbps),
         ("inter_node_gbps", args.inter_node_gbps),
         ("matmul_efficiency", args.matmul_efficiency),
+        ("collective_latency_us", args.collective_latency_us),
     ):
         if value is not None:
             changes[field] = value
@@ -198,7 +211,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         allow_cross_node_tp=args.allow_cross_node_tp,
         memory_fraction=args.memory_fraction,
         sequence_parallel=args.sequence_parallel,
-        knobs=TimeKnobs(args.tp_overlap, args.dp_overlap, half_precision=not args.fp32),
+        knobs=TimeKnobs(
+            args.tp_overlap,
+            args.dp_overlap,
+            half_precision=not args.fp32,
+            tp_weight_grad_overlap=not args.no_async_tensor_model_parallel_allreduce,
+        ),
     )
     result = plan(model, cluster, global_batch, options)
     print(format_plan(result, top=args.top, explain=args.explain, show_rejected=args.show_rejected))

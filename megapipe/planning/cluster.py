@@ -5,6 +5,13 @@ them: NVLink's data-sheet figure is both directions together (A100 600 GB/s -> 3
 and a DGX gives each GPU its own InfiniBand adapter (8x200 Gb/s -> 25 GB/s per GPU). The
 presets use the data-sheet numbers as they are (no derating for protocol overheads): the
 matmul efficiency below is the one calibrated knob.
+
+Every collective and pipeline send also pays a fixed `collective_latency_us` (the alpha of an
+alpha-beta model), whatever its size. The presets take NCCL's: a ring all-reduce of a few bytes
+over the 8 GPUs of a DGX A100 measured 33.7 us in nccl-tests (NVIDIA/nccl-tests issue 123);
+inter-node collectives take longer, which is not modelled. On a CPU with gloo it is the term
+that matters: bench_planner.py measures it (about 1-2 ms for an activation-sized all-reduce
+inside a step, against 0.5 ms from its bytes alone).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ GIB = 1024.0**3
 # on the first row of Megatron-LM's weak-scaling table (GPT 1.7B on 32 A100s, TP1 PP1 DP32,
 # 137 TFLOP/s per GPU): benchmarks/bench_planner.py --published recomputes it.
 GPU_MATMUL_EFFICIENCY = 0.48
+NCCL_LATENCY_US = 30.0  # about nccl-tests' 8-GPU small all-reduce on a DGX A100 (33.7 us)
 
 
 @dataclass(frozen=True)
@@ -37,6 +45,7 @@ class Cluster:
     intra_node_gbps: float  # per GPU, per direction (NVLink)
     inter_node_gbps: float  # per GPU, per direction (InfiniBand)
     matmul_efficiency: float = GPU_MATMUL_EFFICIENCY
+    collective_latency_us: float = NCCL_LATENCY_US  # fixed cost of each collective or send
 
     @property
     def world_size(self) -> int:
@@ -51,7 +60,8 @@ class Cluster:
             f"{self.name}: {self.nodes} node(s) x {self.gpus_per_node} GPUs, "
             f"{self.memory_bytes / GIB:.0f} GiB each, peak {self.peak_tflops:g} TFLOP/s "
             f"(matmuls at {self.matmul_efficiency:.0%} of it), intra-node "
-            f"{self.intra_node_gbps:g} GB/s, inter-node {self.inter_node_gbps:g} GB/s per GPU"
+            f"{self.intra_node_gbps:g} GB/s, inter-node {self.inter_node_gbps:g} GB/s per GPU, "
+            f"{self.collective_latency_us:g} us per collective"
         )
 
 

@@ -6,12 +6,20 @@ Assumptions (stated, each a knob or a line here):
   attention halved), plus what recomputation runs again (full: every layer's forward;
   selective: the attention core's), divided over TP, at `matmul_efficiency` x peak. The
   slowest pipeline stage sets the pace (the last one also computes the logits).
-* Bubble: schedule_model.bubble_fraction x the stage's per-micro-batch time (compute + TP).
-* TP: per layer and micro-batch 2 all-reduces of s b h activations forward and 2 backward
-  (+2 with full recomputation; sequence parallelism's reduce-scatter + all-gather move the
-  same bytes), plus one at the embedding and one at the output layer; a ring all-reduce over t
-  ranks takes 2 (t-1)/t x bytes / bandwidth; NVLink when the TP group lies in a node.
-  `tp_overlap` of it hides behind compute (0: Megatron 2021 and megapipe do not overlap it).
+* Bubble: schedule_model.bubble_fraction x the per-micro-batch time (compute + TP) of the
+  stages that fill and drain the pipeline around the slowest one: the faster of the first and
+  last stage (for equal stages this is the closed form; where the last stage's logits make it
+  the slowest, its idle time is the first stages' forwards and backwards, not its own).
+* TP: per layer and micro-batch 2 all-reduces of s b h activations forward (+2 with full
+  recomputation) and 2 backward (sequence parallelism's reduce-scatter + all-gather move the
+  same bytes), plus one at the embedding and, on the last stage, one at the output layer and
+  the vocabulary-parallel cross-entropy's all-gather (a few floats per token: its latency);
+  a ring all-reduce over t ranks takes 2 (t-1)/t x bytes / bandwidth; NVLink when the TP group
+  lies in a node. The backward ones reduce a column-parallel linear's input gradient (QKV,
+  FC1, the logits) while its weight gradient is computed (megapipe's TP linear, Megatron's
+  async all-reduce): only what exceeds that matmul is on the critical path
+  (`tp_weight_grad_overlap`, on by default). `tp_overlap` of what is left hides behind other
+  compute (0 by default).
 * PP: 2 (v m + p - 1) sends of s b h activations on the critical path (each forward and
   backward waits for one; the fill adds p - 1), each split over the TP ranks (Megatron's
   scatter/gather: every TP rank sends 1/t over its own link); inter-node bandwidth once the
@@ -20,6 +28,9 @@ Assumptions (stated, each a knob or a line here):
   or with the distributed optimizer reduce-scattered (fp32) and the updated parameters
   all-gathered (in their dtype), (d-1)/d x (4 + 2) bytes; NVLink when TP x DP fits in a node.
   `dp_overlap` of it hides behind the backward (0 by default: off unless --overlap-grad-reduce).
+* Latency: every collective and send above also costs the cluster's `collective_latency_us`
+  (TP: each all-reduce; PP: each send; DP: each bucket's collective, two with the distributed
+  optimizer). Negligible for large models on GPUs; on a CPU with gloo it is most of TP's cost.
 * Left out: the optimizer step and other memory-bound work (norms, softmax, GeLU), the tied
   embedding's all-reduce between the first and last stage, data loading, kernel launches.
 """
@@ -31,6 +42,7 @@ import functools
 from dataclasses import dataclass
 
 from megapipe.config import ModelConfig
+from megapipe.distributed.grad_buffer import DEFAULT_BUCKET_SIZE
 from megapipe.pipeline.partition import partition_layers
 from megapipe.pipeline.stage_memory import stage_parameters
 from megapipe.planning.cluster import Cluster
@@ -47,6 +59,9 @@ class TimeKnobs:
 
     tp_overlap: float = 0.0
     dp_overlap: float = 0.0
+    # the backward TP all-reduces run under their linears' weight-gradient matmuls (megapipe's
+    # TP linear, --tp-comm-overlap's default; Megatron-LM from late 2021: async all-reduce)
+    tp_weight_grad_overlap: bool = True
     half_precision: bool = True  # bf16/fp16 activations and parameters (else fp32)
     pp_scatter_gather: bool = True
 
@@ -141,8 +156,23 @@ def step_time(
     recompute = {"none": 0, "selective": core_fwd, "full": layer_fwd}[layout.recompute]
     rate = cluster.peak_tflops * 1e12 * cluster.matmul_efficiency
     activation = model.seq_length * b * model.hidden_size * knobs.dtype_bytes
+    latency = cluster.collective_latency_us * 1e-6
     all_reduce = ring_all_reduce_seconds(activation, t, tp_bandwidth(cluster, layout))
-    per_layer_all_reduces = 4 + (2 if layout.recompute == "full" else 0)
+    all_reduce += latency if t > 1 else 0.0
+    forward_all_reduces = 2 + (2 if layout.recompute == "full" else 0)  # per layer
+
+    def behind_weight_grad(out_features: int) -> float:
+        """A backward all-reduce's time beyond the weight-gradient matmul it overlaps: that of
+        a column-parallel linear with `out_features` (before the TP split)."""
+        if not knobs.tp_weight_grad_overlap:
+            return all_reduce
+        weight_grad = 2 * model.seq_length * b * model.hidden_size * out_features / t / rate
+        return max(0.0, all_reduce - weight_grad)
+
+    qkv = (model.num_attention_heads + 2 * model.num_query_groups) * model.head_dim
+    fc1 = model.ffn_hidden_size * (2 if model.swiglu else 1)
+    per_layer = forward_all_reduces * all_reduce + behind_weight_grad(qkv) + behind_weight_grad(fc1)
+    output_layer = behind_weight_grad(vocab) + (latency if t > 1 else 0.0)  # + the CE all-gather
     stage_map = partition_layers(model, p, v)
     param_bytes = knobs.dtype_bytes
     stages = []
@@ -151,22 +181,27 @@ def step_time(
         first, last = rank == 0, rank == p - 1
         flops = layers * (3 * layer_fwd + recompute) + (3 * logits_fwd if last else 0)
         compute = flops / t / rate
-        tp = (layers * per_layer_all_reduces + first + last) * all_reduce
+        tp = layers * per_layer + first * all_reduce + last * output_layer
         tp *= 1 - knobs.tp_overlap
         params = stage_parameters(model, layers, first, last, t)
+        buckets = -(-params // DEFAULT_BUCKET_SIZE)
         if layout.distributed_optimizer:
             grads = (d - 1) / d * params * (4 + param_bytes) / (dp_bandwidth(cluster, layout) * GB)
+            grads += 2 * buckets * latency if d > 1 else 0.0  # reduce-scatter + all-gather
         else:
             grads = ring_all_reduce_seconds(params * 4, d, dp_bandwidth(cluster, layout))
+            grads += buckets * latency if d > 1 else 0.0
         stages.append((compute + tp, compute, tp, grads * (1 - knobs.dp_overlap)))
     _, compute, tp, _ = max(stages)
+    filling = min(s[0] for s in stages)
     dp = max(s[3] for s in stages)
     beta = bubble_fraction(layout.schedule, p, v, m)
     p2p = activation / (t if knobs.pp_scatter_gather else 1) / (pp_bandwidth(cluster, layout) * GB)
+    p2p += latency
     pp = 2 * (v * m + p - 1) * p2p if p > 1 else 0.0
     return StepTime(
         compute=m * compute,
-        bubble=beta * m * (compute + tp),
+        bubble=beta * m * filling,
         tp_comm=m * tp,
         pp_comm=pp,
         dp_comm=dp,
