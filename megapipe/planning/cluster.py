@@ -10,8 +10,8 @@ Every collective and pipeline send also pays a fixed `collective_latency_us` (th
 alpha-beta model), whatever its size. The presets take NCCL's: a ring all-reduce of a few bytes
 over the 8 GPUs of a DGX A100 measured 33.7 us in nccl-tests (NVIDIA/nccl-tests issue 123);
 inter-node collectives take longer, which is not modelled. On a CPU with gloo it is the term
-that matters: bench_planner.py measures it (about 1-2 ms for an activation-sized all-reduce
-inside a step, against 0.5 ms from its bytes alone).
+that matters: bench_planner.py measures it (2.6-3.0 ms for an activation-sized all-reduce
+after compute, beyond the 0.25 ms its bytes take; back to back it takes 0.66 ms in all).
 """
 
 from __future__ import annotations
