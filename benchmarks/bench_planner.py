@@ -74,49 +74,41 @@ def measure_peak_tflops(n: int = 1024, repeats: int = 5) -> float:
     return 2 * n**3 / best / 1e12
 
 
-def _all_reduce_seconds(rank: int, world: int, nbytes: int, repeats: int) -> float:
+def _all_reduce_times(
+    rank: int, world: int, nbytes: int, repeats: int, after_compute: bool
+) -> list[float]:
+    """Seconds of `repeats` all-reduces of `nbytes` (after one untimed), each issued after a
+    barrier, or after two small matmuls on every rank as a training step issues its TP
+    collectives (on gloo the latter are about 3x slower: its threads have gone to sleep)."""
     import torch.distributed as dist
 
-    x = torch.ones(nbytes // 4)
+    torch.set_num_threads(1)
+    x, a, b = torch.ones(nbytes // 4), torch.randn(256, 384), torch.randn(384, 1152)
     dist.all_reduce(x)
     times = []
     for _ in range(repeats):
-        dist.barrier()
+        if after_compute:
+            (a @ b) @ b.t()
+        else:
+            dist.barrier()
         start = time.perf_counter()
         dist.all_reduce(x)
         times.append(time.perf_counter() - start)
-    return min(times)
+    return times
 
 
 def measure_bandwidth_gbps(nbytes: int = 16 * 1024 * 1024, repeats: int = 5) -> float:
     """The ring bandwidth a 2-rank gloo all-reduce achieves: 2 (n-1)/n x bytes / time."""
-    seconds = max(run_distributed(_all_reduce_seconds, 2, nbytes, repeats))
+    per_rank = run_distributed(_all_reduce_times, 2, nbytes, repeats, False)
+    seconds = max(min(times) for times in per_rank)
     return 2 * (2 - 1) / 2 * nbytes / seconds / 1e9
 
 
-def _all_reduce_after_compute(rank: int, world: int, numel: int, repeats: int) -> float:
-    """Median seconds of an all-reduce of `numel` floats issued after ~5 ms of matmuls, as a
-    training step issues its TP collectives (back-to-back all-reduces are 3x faster on gloo:
-    its threads are awake)."""
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    x, a, b = torch.ones(numel), torch.randn(256, 384), torch.randn(384, 1152)
-    times = []
-    for i in range(repeats + 3):
-        for _ in range(2):
-            a @ b
-        start = time.perf_counter()
-        dist.all_reduce(x)
-        if i >= 3:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def measure_latency_us(nbytes: int, gbps: float, repeats: int = 40) -> float:
-    """The fixed cost of one collective inside a step: an all-reduce of `nbytes` after compute,
-    less its bytes at the bandwidth (2 (n-1)/n x bytes / `gbps`, n = 2), in microseconds."""
-    seconds = max(run_distributed(_all_reduce_after_compute, 2, nbytes // 4, repeats))
+    """The fixed cost of one collective inside a step: the median all-reduce of `nbytes` after
+    compute, less its bytes at the bandwidth (2 (n-1)/n x bytes / `gbps`, n = 2), in us."""
+    per_rank = run_distributed(_all_reduce_times, 2, nbytes, repeats, True)
+    seconds = max(statistics.median(times) for times in per_rank)
     return max(0.0, seconds - nbytes / (gbps * 1e9)) * 1e6
 
 
