@@ -127,10 +127,11 @@ def train_step(
         trace=trace,
     )
     computed = time.perf_counter()
+    mean_loss = start_global_mean_loss(losses, state)
     for buffer in optimizer.buffers:
         buffer.finish_grad_sync()
     finalize_model_grads(chunks, state)
-    lm_loss = global_mean_loss(losses, state)
+    lm_loss = mean_loss.wait()
     reduced = time.perf_counter()
     checks = optimizer.config
     if scaler is None and checks.check_for_nan_in_loss_and_grad and not math.isfinite(lm_loss):
@@ -153,17 +154,42 @@ def train_step(
     return StepResult(lm_loss, outcome.grad_norm, outcome.skipped, timers)
 
 
-def global_mean_loss(losses: list[torch.Tensor], state: ParallelState) -> float:
-    """Mean over micro-batches and DP ranks, computed on the last stage, known on every rank."""
+@dataclass
+class PendingLoss:
+    """The step's mean loss on its way to every rank: `wait()` gives it once."""
+
+    mean: torch.Tensor  # this pipeline's mean over its micro-batches, once broadcast
+    broadcast: dist.Work | None
+    state: ParallelState
+
+    def wait(self) -> float:
+        """The mean over micro-batches and DP ranks: the broadcast waited for, then averaged
+        over the data-parallel group (on every stage: each holds its pipeline's mean)."""
+        if self.broadcast is not None:
+            self.broadcast.wait()
+            self.broadcast = None
+        if self.state.dp.size > 1:
+            dist.all_reduce(self.mean, group=self.state.dp.pg)
+            self.mean /= self.state.dp.size
+        return float(self.mean)
+
+
+def start_global_mean_loss(losses: list[torch.Tensor], state: ParallelState) -> PendingLoss:
+    """Start making the loss, computed on the last stage, known on every rank: the last stage's
+    mean over its micro-batches is broadcast over the pipeline asynchronously, so that the
+    gradient reductions run meanwhile; `PendingLoss.wait()` finishes it."""
     mean = torch.zeros((), dtype=torch.float32, device=state.device)
     if state.is_last_stage:
         mean = torch.stack(losses).float().mean()
-        if state.dp.size > 1:
-            dist.all_reduce(mean, group=state.dp.pg)
-            mean /= state.dp.size
+    work = None
     if state.pp.size > 1:
-        dist.broadcast(mean, src=state.pp.ranks[-1], group=state.pp.pg)
-    return float(mean)
+        work = dist.broadcast(mean, src=state.pp.ranks[-1], group=state.pp.pg, async_op=True)
+    return PendingLoss(mean, work, state)
+
+
+def global_mean_loss(losses: list[torch.Tensor], state: ParallelState) -> float:
+    """Mean over micro-batches and DP ranks, computed on the last stage, known on every rank."""
+    return start_global_mean_loss(losses, state).wait()
 
 
 def _gradient_fault(
