@@ -5,10 +5,10 @@
    first: the peak FLOP/s of a 1024^3 fp32 matmul on one thread, the bandwidth of a 16 MiB
    gloo all-reduce between two forked ranks and the fixed cost of a collective inside a step
    (an all-reduce of one activation issued after compute, less its bytes at that bandwidth).
-   The matmul efficiency is calibrated on the 1-rank
-   run (its measured step time against the planner's compute term); the other layouts are
-   predictions. Step time: the fastest `elapsed time per iteration` of iterations 3..N over
-   the rounds (the least disturbed one: the machine is shared; the median is in the JSON).
+   The matmul efficiency is calibrated on the 1-rank run (its measured step time against the
+   planner's compute term); the other layouts are predictions. Step time: the fastest
+   `elapsed time per iteration` of iterations 3..N over the rounds (the least disturbed one:
+   the machine is shared; the median is in the JSON).
    Memory: the peak RSS of the largest rank over the whole run (getrusage of the launcher's
    children) minus the process baseline (the same run of a 1-layer, hidden 64 model, less its
    own estimate), against the planner's bytes per GPU; PP runs also print the exact peak of

@@ -156,22 +156,25 @@ def train_step(
 
 @dataclass
 class PendingLoss:
-    """The step's mean loss on its way to every rank: `wait()` gives it once."""
+    """The step's mean loss on its way to every rank; `wait()` finishes it (collective: every
+    rank calls it, after the same collectives) and returns it."""
 
     mean: torch.Tensor  # this pipeline's mean over its micro-batches, once broadcast
     broadcast: dist.Work | None
     state: ParallelState
+    value: float | None = None
 
     def wait(self) -> float:
         """The mean over micro-batches and DP ranks: the broadcast waited for, then averaged
         over the data-parallel group (on every stage: each holds its pipeline's mean)."""
-        if self.broadcast is not None:
-            self.broadcast.wait()
-            self.broadcast = None
-        if self.state.dp.size > 1:
-            dist.all_reduce(self.mean, group=self.state.dp.pg)
-            self.mean /= self.state.dp.size
-        return float(self.mean)
+        if self.value is None:
+            if self.broadcast is not None:
+                self.broadcast.wait()
+            if self.state.dp.size > 1:
+                dist.all_reduce(self.mean, group=self.state.dp.pg)
+                self.mean /= self.state.dp.size
+            self.value = float(self.mean)
+        return self.value
 
 
 def start_global_mean_loss(losses: list[torch.Tensor], state: ParallelState) -> PendingLoss:
