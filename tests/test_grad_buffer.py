@@ -16,13 +16,14 @@ def test_layout_buckets_padding_and_solo_parameters():
     a, b, c, d = _params(5, 7, 30, 11)
     dp4 = Group((0, 1, 2, 3), 0)
     buffer = GradBuffer([a, b, c, d], dp4, num_microbatches=1, bucket_size=12, shard=True, solo=[b])
-    # b alone first; then reverse order d, c (bucket full), a; every bucket padded to DP=4
+    # b alone first; then reverse order d, c (bucket full), a; every bucket padded to a
+    # multiple of DP x SHARD_ALIGNMENT = 4 x 128, so that each rank's shard starts aligned
     assert [(bk.start, bk.end, [p.numel() for p in bk.params]) for bk in buffer.buckets] == [
-        (0, 8, [7]),
-        (8, 52, [11, 30]),
-        (52, 60, [5]),
+        (0, 512, [7]),
+        (512, 1024, [11, 30]),
+        (1024, 1536, [5]),
     ]
-    assert buffer.shard_ranges() == [(0, 2), (8, 19), (52, 54)]
+    assert buffer.shard_ranges() == [(0, 128), (512, 640), (1024, 1152)]
     for p, value in ((a, 1.0), (b, 2.0), (c, 3.0), (d, 4.0)):
         assert torch.all(p == value)  # data moved into the flat buffer unchanged
         assert p.data.data_ptr() == buffer.param_data[p.buffer_offset :].data_ptr()
@@ -43,8 +44,10 @@ def test_hooks_accumulate_micro_batches_into_main_grad_and_free_grad():
 
 def _overlap(rank, world, overlap, shard):
     dp = ParallelState.build().dp
-    params = _params(6, 10, 8, 4)
-    buffer = GradBuffer(params, dp, num_microbatches=2, bucket_size=8, overlap=overlap, shard=shard)
+    params = _params(200, 300, 260, 100)  # every rank's shard of every bucket holds gradients
+    buffer = GradBuffer(
+        params, dp, num_microbatches=2, bucket_size=256, overlap=overlap, shard=shard
+    )
     for microbatch in range(2):
         sum(((rank + 1) * (microbatch + 1) * p * p).sum() for p in params).backward()
         if microbatch == 0:

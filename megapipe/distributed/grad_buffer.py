@@ -16,7 +16,9 @@ weight gradient is still queued, raises instead of losing a contribution.
 Synchronisation per bucket, over the data-parallel group, pre-scaled by 1/DP (an average):
 * plain data parallelism: all-reduce; every rank then holds the whole averaged gradient;
 * distributed optimizer (ZeRO-1): reduce-scatter; each rank holds its 1/DP shard of every bucket
-  (buckets are padded to a multiple of DP), steps only that shard, and the parameters are
+  (buckets are padded to a multiple of DP x SHARD_ALIGNMENT elements, so that every shard of
+  every bucket starts at a multiple of SHARD_ALIGNMENT, for any DP size: 3, 6 and 12 as well
+  as powers of two), steps only that shard, and the parameters are
   all-gathered afterwards (`all_gather_params`); with --overlap-param-gather those
   all-gathers run asynchronously and each bucket is waited for (`wait_params`) just before
   the next forward first reads it (ShardedOptimizer.overlap_param_gather_with).
@@ -36,11 +38,16 @@ import torch
 import torch.distributed as dist
 
 from megapipe.activity import Activity
-from megapipe.layers.weight_grad import pending_weight_grads, weight_grad_claims
+from megapipe.kernels.weight_grad_gemm import accumulate_weight_grad
+from megapipe.layers.weight_grad import pending_weight_grads, rows_to_grad, weight_grad_claims
 from megapipe.parallel.mappings import _all_gather_single, _reduce_scatter_single
 from megapipe.parallel.state import Group
 
 DEFAULT_BUCKET_SIZE = 40_000_000  # elements, Megatron-LM's default for --ddp-bucket-size
+# Elements: 256 bytes of a bf16 parameter shard, 512 of an fp32 gradient shard. Buckets of a
+# multiple of DP x 128 are also multiples of Megatron-LM's lcm(DP, 128), for NCCL's bandwidth;
+# the padding is at most DP x 128 - 1 elements a bucket (8191 of 40M at DP=64).
+SHARD_ALIGNMENT = 128
 
 
 @dataclass
@@ -84,7 +91,7 @@ class GradBuffer:
         self.shard = shard
         self.params = [p for p in params if p.requires_grad]
         bucket_size = bucket_size or DEFAULT_BUCKET_SIZE
-        pad_to = dp.size if shard else 1
+        pad_to = dp.size * SHARD_ALIGNMENT if shard and dp.size > 1 else 1
 
         offsets: dict[int, int] = {}
         self.buckets: list[Bucket] = []
@@ -166,14 +173,18 @@ class GradBuffer:
         grad: torch.Tensor | None = None,
         *,
         factors: tuple[torch.Tensor, torch.Tensor] | None = None,
+        rows: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         """Add one micro-batch's gradient of `param` into its fp32 main_grad and count it.
 
         grad: the gradient; or factors (grad_output [n, out], input [n, in]) of a linear
-        weight's gradient, multiplied straight into main_grad (fp32 addmm, Megatron's
-        --gradient-accumulation-fusion: bf16/fp16 factors are widened, so the products are
-        summed in fp32). With overlap, the bucket's reduction starts once each of its
-        parameters has had all of this step's contributions.
+        weight's gradient, multiplied into main_grad by a GEMM in the factors' dtype with an
+        fp32 sum (kernels/weight_grad_gemm.py: Megatron's --gradient-accumulation-fusion where
+        the device allows); or rows (index [n], values [n, h]) of an embedding's gradient,
+        values[i] added to row index[i]: a half-precision model's straight into main_grad, so
+        repeated tokens are summed in fp32 (an fp32 model's into a temporary first, the sum as
+        it always was). With overlap, the bucket's reduction starts once each of its parameters
+        has had all of this step's contributions.
         """
         key = id(param)
         bucket = self._bucket_of[key]
@@ -184,11 +195,16 @@ class GradBuffer:
                 "finish_grad_sync)"
             )
         main = param.main_grad
-        if factors is None:
+        if factors is not None:  # main_grad has the weight's shape [out, in]
+            accumulate_weight_grad(main, *factors)
+        elif rows is not None:
+            index, values = rows
+            if values.dtype == main.dtype:
+                main.add_(rows_to_grad(param, index, values))
+            else:
+                main.index_add_(0, index, values.to(main.dtype))
+        else:
             main.add_(grad)
-        else:  # main_grad has the weight's shape [out, in]
-            grad_output, inputs = factors
-            main.addmm_(grad_output.t().to(main.dtype), inputs.to(main.dtype))
         count = self._accumulated[key] + 1
         self._accumulated[key] = count
         if self.overlap and count == self.num_microbatches * self._per_microbatch[key]:

@@ -18,7 +18,8 @@ keeps the local shard instead of the gathered sequence (t times less), at the pr
 all-gather in backward, which runs while the input gradient is computed.
 
 Weight (and bias) gradients go through `layers/weight_grad.py`: into the grad buffer's fp32
-`main_grad` when one owns the weight, else back to autograd; inside
+`main_grad` when one owns the weight (the GEMM in the weight's dtype, bf16 or fp16, summed in
+fp32: kernels/weight_grad_gemm.py), else back to autograd; inside
 `WeightGradStore.deferring()` they are queued instead (the sequence is then gathered again when
 they are computed, not in backward, so deferring adds no collective).
 """

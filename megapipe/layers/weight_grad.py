@@ -9,8 +9,10 @@ complete (and its bucket's reduction can start) without any autograd hook firing
 
 * a GradBuffer owns the parameter (`param.grad_buffer`): `GradBuffer.accumulate` adds it
   straight into the fp32 `main_grad`; a linear weight passes the factors of its gradient
-  (grad_output, input), which are multiplied into `main_grad` (Megatron's
-  --gradient-accumulation-fusion). Autograd gets None for the parameter;
+  (grad_output, input), multiplied into `main_grad` by a GEMM in the parameters' dtype with
+  an fp32 sum (kernels/weight_grad_gemm.py, Megatron's --gradient-accumulation-fusion), and
+  the embedding the rows of its gradient (ids, output gradient), added into `main_grad` by id
+  (in fp32). Autograd gets None for the parameter;
 * no buffer (a plain model: tests, evaluation, generation): returned to autograd, which
   accumulates it into `param.grad` as for any parameter (outside backward: added to `.grad`).
 
@@ -51,21 +53,25 @@ def deliver_weight_grad(
     grad: torch.Tensor | None = None,
     *,
     factors: tuple[torch.Tensor, torch.Tensor] | None = None,
+    rows: tuple[torch.Tensor, torch.Tensor] | None = None,
     in_backward: bool,
 ) -> torch.Tensor | None:
     """Hand one micro-batch's gradient of `param` to its grad buffer, or to autograd.
 
     grad: the gradient itself; or factors (grad_output [n, out], input [n, in]) of a linear
-    weight's gradient grad_output^T @ input. Returns what the autograd Function must return
+    weight's gradient grad_output^T @ input; or rows (index [n], values [n, h]) of an
+    embedding's gradient (`rows_to_grad`). Returns what the autograd Function must return
     for `param` (None once a buffer took it, or when called outside backward).
     """
     buffer = getattr(param, "grad_buffer", None)
     if buffer is not None:
-        buffer.accumulate(param, grad, factors=factors)
+        buffer.accumulate(param, grad, factors=factors, rows=rows)
         return None
-    if grad is None:
+    if factors is not None:
         grad_output, inputs = factors
         grad = grad_output.t().mm(inputs)
+    elif rows is not None:
+        grad = rows_to_grad(param, *rows)
     if in_backward:
         return grad
     with torch.no_grad():
@@ -74,6 +80,14 @@ def deliver_weight_grad(
         else:
             param.grad.add_(grad)
     return None
+
+
+def rows_to_grad(
+    param: torch.nn.Parameter, index: torch.Tensor, values: torch.Tensor
+) -> torch.Tensor:
+    """A gradient of `param`'s shape and dtype whose row index[i] sums values[i] (a lookup's)."""
+    grad = torch.zeros_like(param, memory_format=torch.contiguous_format)
+    return grad.index_add_(0, index, values)
 
 
 class WeightGradStore:
