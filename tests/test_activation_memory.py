@@ -6,6 +6,8 @@ with unfused attention (attention dropout), selective core_attn drops the s x s 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -116,3 +118,16 @@ def test_the_sequence_parallel_scatter_keeps_only_the_shard() -> None:
     with_sp = run_distributed(_first_stage_extra, 2, True)[0]
     assert with_sp == without_sp  # the token ids only; no [s, b, h] storage
     assert with_sp < S * B * H * 4 // 2
+
+
+def test_attention_dropout_in_the_kernel_keeps_no_s_by_s_terms():
+    # With the kernel's own dropout (CUDA's default) a layer keeps what it keeps without
+    # dropout; the layout-invariant masks' unfused attention adds a s^2 b / t x (4 + 2 x 4)
+    # bytes and the s^2 causal mask, less SDPA's log-sum-exp (a s b / t x 4).
+    dropout = dataclasses.replace(CONFIG, attention_dropout=0.1)
+    for tp in (1, 2):
+        plain = layer_activation_bytes(CONFIG, B, tp)
+        fused = layer_activation_bytes(dropout, B, tp, attention_dropout_fused=True)
+        unfused = layer_activation_bytes(dropout, B, tp)
+        assert fused == plain
+        assert unfused - fused == A * S * S * B // tp * (4 + 2 * 4) + S * S - A * S * B // tp * 4

@@ -62,11 +62,15 @@ def test_memory_is_memory_models_largest_stage(layout: Layout) -> None:
 
 def test_memory_of_one_stage_is_the_activation_formula_and_bytes_per_parameter() -> None:
     """PP1, bf16 Adam: 2 + 4 + 12 bytes a parameter; activations are the layer formula x
-    layers, plus the output layer's inputs and fp32 logits, plus the embedding's dropout mask."""
+    layers (attention dropout inside the fused kernel, as on GPUs), plus the output layer's
+    inputs and fp32 logits, plus the embedding's dropout mask."""
     layout = Layout(tp=2, pp=1, dp=4, micro_batch=2)
     got = layout_memory(MODEL, layout, 32)
     s, b, h, v = 128, 2, 256, MODEL.padded_vocab_size(2)
-    layer = layer_activation_bytes(MODEL, b, 2, dtype_bytes=2)
+    layer = layer_activation_bytes(MODEL, b, 2, dtype_bytes=2, attention_dropout_fused=True)
+    assert MODEL.attention_dropout > 0 and layer < layer_activation_bytes(
+        MODEL, b, 2, dtype_bytes=2
+    )
     head = s * b * h * 2 + s * b * 4 * 2 + s * b * h * 2 + s * b * v // 2 * 4 * 2
     assert got.activations == 8 * layer + head + s * b * h * 2
     assert (got.params, got.grads, got.optimizer) == (

@@ -125,3 +125,26 @@ def test_memory_partition_refuses_virtual_stages() -> None:
     with pytest.raises(ConfigError, match="--pipeline-partition memory chooses every stage"):
         parse_args(ARGV + ["--pipeline-partition", "memory",
                            "--num-layers-per-virtual-pipeline-stage", "1"], 2)  # fmt: skip
+
+
+def test_the_estimate_counts_attention_dropout_where_it_runs():
+    # CUDA's default runs attention dropout inside the fused kernel (no s x s activations);
+    # the CPU's, and --attention-dropout-rng layout-invariant anywhere, the unfused attention
+    from megapipe.arguments import parse_args
+
+    flags = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+             "--seq-length", "128", "--max-position-embeddings", "128", "--micro-batch-size",
+             "1", "--global-batch-size", "4", "--train-iters", "1", "--lr", "1e-3",
+             "--mock-data", "--vocab-size", "128", "--attention-dropout", "0.1",
+             "--pipeline-model-parallel-size", "2"]  # fmt: skip
+    configs = parse_args(flags, 2)
+    stage_map = partition_layers(configs.model, 2, 1)
+    cuda = MemoryModel.of(configs, "cuda")
+    cpu = MemoryModel.of(configs, "cpu")
+    invariant = MemoryModel.of(parse_args(flags + ["--attention-dropout-rng", "layout-invariant"],
+                                          2), "cuda")  # fmt: skip
+    assert cuda.attention_dropout_fused and not cpu.attention_dropout_fused
+    assert not invariant.attention_dropout_fused
+    for fused, unfused in zip(cuda.stages(stage_map), cpu.stages(stage_map)):
+        assert fused.activation_bytes < unfused.activation_bytes
+        assert fused.parameter_bytes == unfused.parameter_bytes

@@ -1,5 +1,6 @@
 """Megatron's kernel flags: --attention-backend, --use-flash-attn, --transformer-impl, the
-fusion switches and FP8's --fp8-* flags, as a KernelConfig.
+fusion switches and FP8's --fp8-* flags, and megapipe's --attention-dropout-rng, as a
+KernelConfig.
 
 What can be checked before the device exists is checked here (TE installed, a CUDA device,
 --fp8-format only with TE); the FP8 compute-capability check needs the device and runs when
@@ -21,7 +22,7 @@ from megapipe.kernels.transformer_engine import (
     check_fp8_recipe,
     check_transformer_engine,
 )
-from megapipe.model.attention_backends import ATTENTION_BACKENDS
+from megapipe.model.attention_backends import ATTENTION_BACKENDS, ATTENTION_DROPOUT_RNGS
 
 # (flag, KernelConfig field, the switch's meaning when given)
 FUSION_SWITCHES = (
@@ -43,6 +44,19 @@ def add_kernel_args(group: argparse._ArgumentGroup) -> None:
         help="auto: scaled_dot_product_attention picks its backend; flash / fused: force SDPA's "
         "FlashAttention / memory-efficient backend (flash also uses the flash_attn package when "
         "installed); unfused / local: softmax(QK^T)V written out. Default: auto.",
+    )
+    group.add_argument(
+        "--attention-dropout-rng",
+        choices=ATTENTION_DROPOUT_RNGS,
+        default="auto",
+        help="Where attention dropout's mask comes from. fused: the attention kernel draws it "
+        "(SDPA's / flash_attn's dropout_p) from the tensor-parallel RNG stream, as Megatron "
+        "does: flash attention stays on and TP ranks draw different masks for their heads; "
+        "reproducible for a seed and layout, but another TP/PP/DP layout draws other masks. "
+        "layout-invariant: masks keyed by (seed, sample, layer, site), so any layout trains "
+        "exactly as one rank does, at the price of the unfused attention ([b, heads, s, s] "
+        "probabilities; every TP rank draws all heads' masks). Default auto: fused on CUDA, "
+        "layout-invariant on CPU (where parity is tested and SDPA has no fused dropout).",
     )
     group.add_argument(
         "--use-flash-attn",
@@ -129,4 +143,5 @@ def kernel_config(args: argparse.Namespace) -> KernelConfig:
         for name in ("fp8_format", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo")
     }
     return KernelConfig(attention_backend=backend, transformer_impl=args.transformer_impl,
+                        attention_dropout_rng=args.attention_dropout_rng,
                         **switches, **fp8)  # fmt: skip

@@ -20,9 +20,11 @@ masks and an unfused softmax):
 
     with hidden dropout:      + 2 sbh          (the two keep-masks, in the activation dtype)
     with attention dropout:   + a s^2 b / t x (4 bytes + 2 elements), + s^2 bytes, - the LSE
-                              (the sample-keyed masks need the unfused attention: its fp32
-                              probabilities, keep-mask and dropped probabilities, and the
-                              causal mask, instead of SDPA)
+    from layout-invariant     (the sample-keyed masks need the unfused attention: its fp32
+    masks                     probabilities, keep-mask and dropped probabilities, and the
+                              causal mask, instead of SDPA). With the kernel's own dropout
+                              (--attention-dropout-rng fused, CUDA's default) nothing: the
+                              fused kernel keeps only its RNG seed and offset.
 
 With a = g, f = 4h and no dropout that is sbh (4 + 12/t), against Korthikanti's
 sbh (10 + 24/t + 5as/(ht)) bytes at 16 bits with masks; SDPA stores no s x s matrix.
@@ -70,8 +72,10 @@ def layer_activation_bytes(
     sequence_parallel: bool = False,
     recompute: RecomputeConfig | None = None,
     dtype_bytes: int = 4,
+    attention_dropout_fused: bool = False,
 ) -> int:
-    """The formula of the module docstring: bytes one layer keeps for backward."""
+    """The formula of the module docstring: bytes one layer keeps for backward.
+    attention_dropout_fused: attention dropout runs inside SDPA / flash (no s x s terms)."""
     recompute = recompute or RecomputeConfig()
     s, b, h = config.seq_length, micro_batch_size, config.hidden_size
     a, g, d = config.num_attention_heads, config.num_query_groups, config.head_dim
@@ -86,7 +90,7 @@ def layer_activation_bytes(
     qkv = s * b * (a + 2 * g) * d // tp * dtype_bytes
     out = s * b * h // tp * dtype_bytes  # SDPA's output = the projection's input
     core = a * s * b // tp * 4  # SDPA's log-sum-exp
-    if config.attention_dropout > 0:  # the unfused attention of sample-keyed masks
+    if config.attention_dropout > 0 and not attention_dropout_fused:  # sample-keyed masks
         core = a * s * s * b // tp * (4 + 2 * dtype_bytes) + s * s
     if recompute.selective("core_attn"):
         core = 0

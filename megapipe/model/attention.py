@@ -1,9 +1,11 @@
 """Causal self-attention with heads (and GQA query groups) split across TP ranks.
 
-Attention runs through torch's fused scaled_dot_product_attention, except for training with
-attention dropout and layout-invariant masks (`model/dropout.py`): SDPA draws its own dropout
-mask and cannot take ours, so that case computes softmax -> dropout(our mask) -> matmul
-explicitly (the [b, heads, s, s] probabilities are materialised, as in any unfused attention).
+Attention runs through torch's fused scaled_dot_product_attention (causal by is_causal, no
+[s, s] mask), with its dropout drawn inside the kernel from the tensor-parallel RNG stream
+(--attention-dropout-rng fused, the default on CUDA). Training with layout-invariant dropout
+masks (`model/dropout.py`, the default on CPU) computes softmax -> dropout(our mask) -> matmul
+explicitly instead, since SDPA cannot take our mask (the [b, heads, s, s] probabilities are
+materialised, as in any unfused attention). `attention_backends.attention_path` decides.
 """
 
 from __future__ import annotations
@@ -20,10 +22,15 @@ from megapipe.config import ModelConfig
 from megapipe.inference.kv_cache import KVCache
 from megapipe.layers.linear import ColumnParallelLinear, RowParallelLinear
 from megapipe.model.attention_backends import (
+    FLASH_ATTN,
+    LAYOUT_INVARIANT,
+    UNFUSED,
+    AttentionPath,
+    attention_dropout_rng,
+    attention_path,
     flash_attn_package,
     flash_attn_package_usable,
     sdpa_context,
-    unfused,
 )
 from megapipe.model.dropout import LogicalDropout
 from megapipe.model.recompute import recompute, wanted
@@ -52,11 +59,13 @@ class SelfAttention(torch.nn.Module):
         recompute_core: bool = False,
         backend: str = "auto",
         softmax_kernel: Callable[..., torch.Tensor] | None = None,
+        dropout_rng: str = "auto",
     ) -> None:
         super().__init__()
         self.rng = rng
         self.recompute_core = recompute_core  # --recompute-granularity selective (core_attn)
         self.backend = backend  # --attention-backend (model/attention_backends.py)
+        self.dropout_rng = dropout_rng  # --attention-dropout-rng: auto, fused, layout-invariant
         self.softmax_kernel = softmax_kernel  # fused masked softmax of the unfused attention
         self.layer_number = layer_number  # global index: keys this layer's dropout masks
         self.dropout = config.attention_dropout
@@ -94,8 +103,9 @@ class SelfAttention(torch.nn.Module):
         """attention_mask: None for plain causal attention, else [b, 1, s, s] bool, True where
         a query may attend a key (--reset-attention-mask: causal within each document).
 
-        dropout_masks: layout-invariant masks for this micro-batch; without them, training
-        dropout draws from the rank's tensor-parallel stream inside SDPA (not layout-invariant).
+        dropout_masks: layout-invariant masks for this micro-batch, used for the attention
+        probabilities under --attention-dropout-rng layout-invariant; otherwise (or without
+        them) training dropout draws from the rank's tensor-parallel stream inside SDPA.
 
         kv_cache: generation. x holds the tokens at positions kv_cache.offset..; their keys and
         values join the cache and the queries attend over every cached position (causally).
@@ -116,7 +126,7 @@ class SelfAttention(torch.nn.Module):
                 causal = False
                 if s > 1 and attention_mask is None:
                     attention_mask = cached_causal_mask(s, offset, q.device)
-        core = partial(self._core, causal=causal, dropout_masks=dropout_masks)
+        core = partial(self.core, causal=causal, dropout_masks=dropout_masks)
         if self.recompute_core and wanted(self):
             out = recompute(core, q, k, v, attention_mask, rng=self.rng)
         else:
@@ -124,7 +134,21 @@ class SelfAttention(torch.nn.Module):
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim)
         return self.linear_proj(out)
 
-    def _core(
+    def path(
+        self, q: torch.Tensor, attention_mask: torch.Tensor | None, sample_keyed: bool
+    ) -> AttentionPath:
+        """The AttentionPath a call with these queries (device, dtype) and mask takes now."""
+        flash = self.backend == "flash" and flash_attn_package_usable(q.device.type, q.dtype)
+        return attention_path(
+            self.backend,
+            dropout=self.dropout if self.training else 0.0,
+            dropout_rng=attention_dropout_rng(self.dropout_rng, q.device.type),
+            sample_keyed=sample_keyed,
+            flash_attn_usable=flash,
+            mask=attention_mask is not None,
+        )
+
+    def core(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
@@ -137,26 +161,24 @@ class SelfAttention(torch.nn.Module):
         """softmax(q k^T / sqrt(d)) v, with dropout on the probabilities: [b, heads, s, d]."""
         dropout = self.dropout if self.training else 0.0
         scale = 1.0 / math.sqrt(self.head_dim)
-        if dropout > 0 and dropout_masks is not None:
+        path = self.path(q, attention_mask, dropout_masks is not None)
+        explicit = partial(explicit_attention, causal=causal, softmax=self.softmax_kernel)
+        if path.dropout == LAYOUT_INVARIANT:
             layer = self.layer_number
-            return explicit_attention(
+            return explicit(
                 q,
                 k,
                 v,
                 attention_mask,
                 scale,
                 lambda probs: dropout_masks.attention_probs(probs, dropout, layer),
-                causal=causal,
-                softmax=self.softmax_kernel,
             )
         with self.rng.fork() if dropout > 0 else contextlib.nullcontext():
-            if unfused(self.backend):
+            if path.kernel == UNFUSED:
                 drop = partial(F.dropout, p=dropout, training=True) if dropout > 0 else _identity
-                return explicit_attention(
-                    q, k, v, attention_mask, scale, drop, causal=causal, softmax=self.softmax_kernel
-                )
-            if self.backend == "flash" and attention_mask is None and flash_attn_package_usable(q):
-                return flash_attn_package(q, k, v, scale, causal)
+                return explicit(q, k, v, attention_mask, scale, drop)
+            if path.kernel == FLASH_ATTN:
+                return flash_attn_package(q, k, v, scale, causal, dropout)
             with sdpa_context(self.backend):
                 return F.scaled_dot_product_attention(
                     q,
@@ -196,21 +218,23 @@ def explicit_attention(
     attend). The softmax runs in fp32 and is cast back to q's dtype before dropout.
     causal: with no mask, whether to apply the causal one (False: attend everything, as a
     one-token generation step after a KV cache does).
-    softmax: a fused masked softmax (scores, mask, scale) -> probs in q's dtype, or None.
+    softmax: a fused masked softmax (scores, mask, scale) -> probs in q's dtype, or None. A
+    causal call hands it no mask (its own causal mode), so no [s, s] mask is built for it.
     """
     heads, groups = q.shape[1], k.shape[1]
     if heads != groups:
         k = k.repeat_interleave(heads // groups, dim=1)
         v = v.repeat_interleave(heads // groups, dim=1)
+    scores = torch.matmul(q, k.transpose(-2, -1))
+    s_q, s_k = scores.shape[-2:]
     if softmax is not None:
-        scores = torch.matmul(q, k.transpose(-2, -1))
-        if attention_mask is None and causal:
-            s_q, s_k = scores.shape[-2:]
+        if attention_mask is None and causal and s_q != s_k:  # the kernel's causal is bottom-right
             attention_mask = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).tril()
+        if attention_mask is None and not causal:
+            attention_mask = torch.ones(1, 1, 1, s_k, dtype=torch.bool, device=q.device)
         return torch.matmul(drop(softmax(scores, attention_mask, scale)), v)
-    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+    scores = scores * scale
     if attention_mask is None and causal:
-        s_q, s_k = scores.shape[-2:]
         attention_mask = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).tril()
     if attention_mask is not None:
         scores = scores.masked_fill(~attention_mask, float("-inf"))

@@ -22,6 +22,10 @@ does not own (TP-1 of TP shares of the attention-probability mask), one generato
 layer, site). A counter-based RNG (Philox keyed by the same tuple, drawn at the element offsets
 of the shard only) could cut that to the shard later. Masks are drawn with the activation's
 device generator, so they are layout-invariant on one device type; CPU and CUDA masks differ.
+
+On CUDA, attention dropout skips these masks by default (--attention-dropout-rng fused: SDPA
+draws its own from the tensor-parallel stream, `model/attention_backends.py`); hidden and
+embedding dropout keep them.
 """
 
 from __future__ import annotations

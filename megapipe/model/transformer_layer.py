@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from megapipe.config import KernelConfig, ModelConfig, RecomputeConfig
 from megapipe.inference.kv_cache import KVCache
 from megapipe.kernels.dispatch import KernelChoices
+from megapipe.kernels.transformer_engine import FP8Scope
 from megapipe.layers.norms import build_norm
 from megapipe.model.attention import SelfAttention
 from megapipe.model.dropout import LogicalDropout
@@ -19,7 +20,7 @@ from megapipe.model.fused_ops import fused
 from megapipe.model.mlp import MLP
 from megapipe.model.recompute import recompute, wanted
 from megapipe.model.rotary import RotaryEmbedding
-from megapipe.model.te_layers import use_transformer_engine
+from megapipe.model.te_layers import chunk_fp8_scope, use_transformer_engine
 from megapipe.parallel.random import RNGTracker
 from megapipe.parallel.state import Group
 
@@ -57,8 +58,10 @@ class TransformerLayer(torch.nn.Module):
         recompute: RecomputeConfig | None = None,
         kernels: KernelConfig | None = None,
         choices: KernelChoices | None = None,
+        fp8_scope: FP8Scope | None = None,
     ) -> None:
-        """choices: the fused kernels chosen for this run (None: plain torch everywhere)."""
+        """choices: the fused kernels chosen for this run (None: plain torch everywhere);
+        fp8_scope: the chunk's FP8 autocast (TE layers; default: the layer's own)."""
         super().__init__()
         recompute = recompute or RecomputeConfig()
         kernels = kernels or KernelConfig()
@@ -86,6 +89,7 @@ class TransformerLayer(torch.nn.Module):
             recompute_core=recompute.selective("core_attn"),
             backend=kernels.attention_backend,
             softmax_kernel=fused(choices, "masked_softmax"),
+            dropout_rng=kernels.attention_dropout_rng,
         )
         self.pre_mlp_layernorm = build_norm(
             config.normalization, config.hidden_size, eps, sp, norm_kernel
@@ -93,9 +97,17 @@ class TransformerLayer(torch.nn.Module):
         self.mlp = MLP(
             config, tp, output_init_std=output_std, sequence_parallel=sp, kernels=choices
         )
+        self.fp8_scope = FP8Scope(None)
         if kernels.transformer_impl == "transformer_engine":  # TE's linears and fused norms
+            self.fp8_scope = fp8_scope if fp8_scope is not None else chunk_fp8_scope(kernels, tp)
             use_transformer_engine(
-                self, config, tp, kernels, sequence_parallel=sp, output_init_std=output_std
+                self,
+                config,
+                tp,
+                kernels,
+                sequence_parallel=sp,
+                output_init_std=output_std,
+                fp8_scope=self.fp8_scope,
             )
 
     def forward(
@@ -117,7 +129,8 @@ class TransformerLayer(torch.nn.Module):
         )
         x = self._residual(out, bias, x, dropout_masks, "attention_output", drop_attention)
         if self.recompute_mlp and wanted(self):
-            out, bias = recompute(self.mlp, self.pre_mlp_layernorm(x), rng=self.rng)
+            mlp = self.fp8_scope.wrap(self.mlp)  # recomputed in backward: in FP8 again
+            out, bias = recompute(mlp, self.pre_mlp_layernorm(x), rng=self.rng)
         else:
             out, bias = self.mlp(self.pre_mlp_layernorm(x))
         return self._residual(out, bias, x, dropout_masks, "mlp_output", drop_mlp)

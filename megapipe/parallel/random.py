@@ -17,7 +17,8 @@ These streams keep TP replicas consistent but are not layout-invariant: a stream
 depends on everything the rank drew before, and the TP stream differs per TP rank. Training
 therefore passes each micro-batch's global sample ids to the model, whose dropout then uses
 masks keyed by (seed, sample, layer, site) instead (`model/dropout.py`); the streams are what
-dropout draws from when a caller gives no sample ids.
+dropout draws from when a caller gives no sample ids, and what attention dropout draws from
+inside the fused attention kernel under --attention-dropout-rng fused (the default on CUDA).
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ from megapipe.config import (
     RecomputeConfig,
 )
 from megapipe.model.activation_memory import layer_activation_bytes
+from megapipe.model.attention_backends import attention_dropout_rng
 from megapipe.pipeline.partition import StageMap, partition_layers
 from megapipe.pipeline.simulator import simulate_kind
 
@@ -96,6 +97,7 @@ def stage_activation_bytes(
     first: bool,
     last: bool,
     dtype_bytes: int,
+    attention_dropout_fused: bool = False,
 ) -> int:
     """Activations one micro-batch leaves on a stage of `layers` layers until its backward."""
     kept = partial = 0
@@ -109,6 +111,7 @@ def stage_activation_bytes(
     full_layer = layer_activation_bytes(
         config, micro_batch, tp, sequence_parallel=sp, dtype_bytes=dtype_bytes,
         recompute=RecomputeConfig() if recompute.full else recompute,
+        attention_dropout_fused=attention_dropout_fused,
     )  # fmt: skip
     group_input = layer_activation_bytes(
         config, micro_batch, tp, sequence_parallel=sp, dtype_bytes=dtype_bytes,
@@ -155,13 +158,18 @@ class MemoryModel:
     micro_batch_size: int
     num_microbatches: int
     data_parallel_size: int
+    # attention dropout inside the fused kernel (no s x s activations): --attention-dropout-rng
+    # fused, the default on CUDA; False for the layout-invariant masks' unfused attention
+    attention_dropout_fused: bool = False
 
     @classmethod
-    def of(cls, configs: Configs) -> MemoryModel:
-        """The estimate for a run's settled configs."""
+    def of(cls, configs: Configs, device_type: str = "cpu") -> MemoryModel:
+        """The estimate for a run's settled configs, on a device of `device_type`."""
         dp, training = configs.data_parallel_size, configs.training
+        mode = attention_dropout_rng(configs.kernels.attention_dropout_rng, device_type)
         return cls(configs.model, configs.parallel, configs.optimizer, configs.recompute,
-                   training.micro_batch_size, training.num_microbatches(dp), dp)  # fmt: skip
+                   training.micro_batch_size, training.num_microbatches(dp), dp,
+                   attention_dropout_fused=mode == "fused")  # fmt: skip
 
     def in_flight(self) -> list[int]:
         """Peak micro-batches (chunk forwards) each pipeline rank holds, from the simulator."""
@@ -198,6 +206,7 @@ class MemoryModel:
                 first and c == 0,
                 last and c == len(chunks) - 1,
                 param,
+                self.attention_dropout_fused,
             )
             for c, n in enumerate(chunks)
         ]

@@ -50,7 +50,8 @@ def memory_model(
     half_precision: bool = True,
     sequence_parallel: bool = False,
 ) -> MemoryModel:
-    """The MemoryModel of `layout`, exactly as a run with those flags would build it."""
+    """The MemoryModel of `layout`, exactly as a run with those flags would build it on GPUs
+    (attention dropout fused in the kernel: --attention-dropout-rng's CUDA default)."""
     return MemoryModel(
         model,
         layout.parallel_config(sequence_parallel),
@@ -59,6 +60,7 @@ def memory_model(
         layout.micro_batch,
         layout.num_microbatches(global_batch),
         layout.dp,
+        attention_dropout_fused=True,
     )
 
 
