@@ -23,6 +23,7 @@ from megapipe.console import say
 from megapipe.data.errors import DataError
 from megapipe.errors import ConfigError, error_line, split_debug
 from megapipe.parallel import ParallelState, initialize_distributed
+from megapipe.parallel.initialize import MAX_CONNECTIONS_VAR, max_connections_warning
 from megapipe.training import train
 from megapipe.training.step import NumericalFaultError
 
@@ -55,6 +56,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     device = initialize_distributed(
         parallel.distributed_backend, timeout_minutes=parallel.distributed_timeout_minutes
     )
+    note = max_connections_warning(
+        os.environ.get(MAX_CONNECTIONS_VAR),
+        device_type=device.type,
+        tp_size=parallel.tensor_model_parallel_size,
+        tp_comm_overlap=parallel.tp_comm_overlap,
+    )
+    if note is not None and os.environ.get("RANK", "0") == "0":
+        say(f"{PROG}: warning: {note}")
     try:
         state = ParallelState.build(
             parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size, device

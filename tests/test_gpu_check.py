@@ -1,7 +1,9 @@
 """The GPU check's harness on CPU: tools/gpu_check.sh parses and refuses a machine without CUDA
-in one line; benchmarks/gpu_training_check.py and benchmarks/bench_gpu_mfu.py run end to end at
-their --tiny sizes (real pretrain_gpt.py runs) and their verdicts and numbers are checked
-against the values they report, recomputed here."""
+in one line; its GPU count (torch's, no nvidia-smi) and its multi-gpu decision (skipped, with
+the reason, below two GPUs); its multi-gpu command (torchrun pretrain_gpt.py, 2 ranks, PP=2)
+run on gloo ranks; benchmarks/gpu_training_check.py and benchmarks/bench_gpu_mfu.py run end to
+end at their --tiny sizes (real pretrain_gpt.py runs) and their verdicts and numbers are
+checked against the values they report, recomputed here."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -43,6 +46,55 @@ def test_gpu_check_without_cuda_is_one_line_and_status_2(tmp_path) -> None:
     assert done.stderr.startswith("gpu_check: no CUDA device here")
     assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
     assert not (tmp_path / "o").exists()  # nothing started, nothing written
+
+
+def _sourced(command: str, tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    """`command` in a bash that sourced tools/gpu_check.sh (which then only defines things),
+    with a PATH of bash, dirname and python only: no nvidia-smi."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for tool, target in (("bash", "/bin/bash"), ("dirname", "/usr/bin/dirname"),
+                         ("python", sys.executable)):  # fmt: skip
+        if not (bin_dir / tool).exists():
+            (bin_dir / tool).symlink_to(target)
+    script = ROOT / "tools" / "gpu_check.sh"
+    return subprocess.run(
+        ["/bin/bash", "-c", f"source {script} && {command}"], capture_output=True, text=True,
+        timeout=120, cwd=tmp_path, env=_env(PATH=str(bin_dir), **env),
+    )  # fmt: skip
+
+
+def test_gpu_count_is_torchs_without_nvidia_smi(tmp_path) -> None:
+    done = _sourced("command -v nvidia-smi; gpu_count", tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(torch.cuda.device_count())  # 0 here; no nvidia-smi line
+    hidden = _sourced("gpu_count", tmp_path, CUDA_VISIBLE_DEVICES="")
+    assert hidden.stdout.strip() == "0"
+    broken = _sourced("gpu_count", tmp_path, PYTHON="/bin/false")  # no torch: 0, no error
+    assert broken.stdout.strip() == "0" and broken.returncode == 0
+
+
+def test_multi_gpu_part_runs_with_two_gpus_and_says_why_it_skips_with_one(tmp_path) -> None:
+    for gpus in (2, 8):
+        assert _sourced(f"multi_gpu_plan {gpus}", tmp_path).stdout.strip() == "run"
+    for gpus in (0, 1):
+        line = _sourced(f"multi_gpu_plan {gpus}", tmp_path).stdout.strip()
+        assert line.startswith(f"multi-gpu: skipped: {gpus} GPU(s) here")
+        assert "NCCL refuses two ranks on one GPU" in line and "\n" not in line
+
+
+def test_multi_gpu_command_trains_two_pipeline_ranks_on_gloo(tmp_path) -> None:
+    """The part's own command (torchrun pretrain_gpt.py, 2 ranks, PP=2) with gloo for NCCL."""
+    done = subprocess.run(
+        ["bash", str(ROOT / "tools" / "gpu_check.sh"), "--multi-gpu-run", "gloo"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, env=_env(),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith(" iteration ")]
+    assert [line.split()[1] for line in lines] == [f"{i}/" for i in range(1, 6)]
+    assert "model parallel rank (0, 1)" in done.stdout  # the second pipeline stage ran
+    losses = [float(line.split("lm loss:")[1].split()[0]) for line in lines]
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
 
 
 @pytest.fixture(scope="module")

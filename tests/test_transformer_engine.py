@@ -13,17 +13,12 @@ layers against the local model, and FP8 training on a GPU with FP8 tensor cores.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
-import enum
 import importlib.util
 import math
-import sys
-import types
 
 import pytest
+import te_stub
 import torch
-import torch.nn.functional as F
 
 from megapipe.arguments.kernel_flags import add_kernel_args, kernel_config
 from megapipe.config import KernelConfig, ModelConfig
@@ -298,103 +293,9 @@ def test_names_map_to_megatron_cores_te_names_and_back() -> None:
 # ---- the adapter's wiring, on a plain-torch stand-in for TE's one-rank modules ----
 
 
-class _StubLinear(torch.nn.Module):
-    """TE's documented Linear at one rank: y = x W^T + b; return_bias hands b back (an empty
-    tensor without bias, as TE does)."""
-
-    def __init__(
-        self,
-        in_features,
-        out_features,
-        bias=True,
-        *,
-        sequence_parallel,
-        tp_size,
-        params_dtype,
-        parallel_mode,
-        return_bias,
-        tp_group,
-        init_method,
-        device,
-    ):
-        super().__init__()
-        assert tp_size == 1 and tp_group is None and not sequence_parallel
-        assert parallel_mode in ("column", "row") and device == "cuda"
-        self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, dtype=params_dtype))
-        init_method(self.weight)
-        self.bias = torch.nn.Parameter(torch.zeros(out_features)) if bias else None
-        self.return_bias = return_bias
-
-    def _linear(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        out = F.linear(x, self.weight, None if self.return_bias else self.bias)
-        if not self.return_bias:
-            return out
-        return out, self.bias if self.bias is not None else torch.empty(0)
-
-    def forward(self, x: torch.Tensor):
-        return self._linear(x)
-
-
-class _StubLayerNormLinear(_StubLinear):
-    """TE's documented LayerNormLinear at one rank: the norm, then the Linear."""
-
-    def __init__(self, in_features, out_features, *, normalization, eps, **kwargs) -> None:
-        super().__init__(in_features, out_features, **kwargs)
-        self.normalization, self.eps = normalization, eps
-        self.layer_norm_weight = torch.nn.Parameter(torch.ones(in_features))
-        if normalization == "LayerNorm":
-            self.layer_norm_bias = torch.nn.Parameter(torch.zeros(in_features))
-
-    def forward(self, x: torch.Tensor):
-        shape = (x.shape[-1],)
-        if self.normalization == "LayerNorm":
-            x = F.layer_norm(x, shape, self.layer_norm_weight, self.layer_norm_bias, self.eps)
-        else:
-            x = F.rms_norm(x, shape, self.layer_norm_weight, self.eps)
-        return self._linear(x)
-
-
-class _StubFormat(enum.Enum):
-    E4M3 = "e4m3"
-    HYBRID = "hybrid"
-
-
-@dataclasses.dataclass
-class _StubDelayedScaling:
-    """TE's documented DelayedScaling fields (reduce_amax: TE >= 1.x)."""
-
-    margin: int = 0
-    fp8_format: _StubFormat = _StubFormat.HYBRID
-    amax_history_len: int = 1024
-    amax_compute_algo: str = "max"
-    reduce_amax: bool = True
-
-
-AUTOCASTS: list[tuple] = []  # (recipe, group) of each autocast a forward runs under
-
-
-@contextlib.contextmanager
-def _stub_autocast(enabled, recipe, amax_reduction_group):
-    assert enabled
-    AUTOCASTS.append((recipe, amax_reduction_group))
-    yield
-
-
 @pytest.fixture
 def stub_te(monkeypatch):
-    package = types.ModuleType("transformer_engine")
-    module = types.ModuleType("transformer_engine.pytorch")
-    module.Linear, module.LayerNormLinear = _StubLinear, _StubLayerNormLinear
-    module.autocast = _stub_autocast
-    common = types.ModuleType("transformer_engine.common")
-    recipe = types.ModuleType("transformer_engine.common.recipe")
-    recipe.Format, recipe.DelayedScaling = _StubFormat, _StubDelayedScaling
-    package.pytorch, package.common, common.recipe = module, common, recipe
-    for name, value in (("transformer_engine", package), ("transformer_engine.pytorch", module),
-                        ("transformer_engine.common", common),
-                        ("transformer_engine.common.recipe", recipe)):  # fmt: skip
-        monkeypatch.setitem(sys.modules, name, value)
-    AUTOCASTS.clear()
+    te_stub.install(monkeypatch)
 
 
 REFERENCE = KernelChoices("cpu", {op: "reference" for op in IMPLEMENTATIONS}, {}, IMPLEMENTATIONS)
@@ -420,10 +321,11 @@ def test_te_built_model_holds_the_local_weights_and_gives_its_loss(shape, stub_t
         results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
     local, te = models
     layer = te.decoder.layers["0"]
-    assert isinstance(layer.self_attention.linear_qkv, _StubLayerNormLinear)
-    assert isinstance(layer.mlp.linear_fc1, _StubLayerNormLinear)
+    assert isinstance(layer.self_attention.linear_qkv, te_stub.StubLayerNormLinear)
+    assert isinstance(layer.mlp.linear_fc1, te_stub.StubLayerNormLinear)
     for row in (layer.self_attention.linear_proj, layer.mlp.linear_fc2):
-        assert isinstance(row, _StubLinear) and not isinstance(row, _StubLayerNormLinear)
+        assert isinstance(row, te_stub.StubLinear)
+        assert not isinstance(row, te_stub.StubLayerNormLinear)
     assert isinstance(layer.input_layernorm, torch.nn.Identity)
     te_params = dict(te.named_parameters())
     local_params = dict(local.named_parameters())
@@ -512,7 +414,7 @@ def test_fp8_training_steps_lower_the_loss() -> None:
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0] - 0.1, losses
 
 
-def test_fp8_runs_every_te_module_under_autocast_with_the_flags_recipe(stub_te) -> None:
+def test_fp8_runs_each_chunk_forward_under_one_autocast_with_the_flags_recipe(stub_te) -> None:
     config = ModelConfig(**GPT2)
     kernels = KernelConfig(transformer_impl="transformer_engine", fp8_format="e4m3",
                            fp8_margin=2, fp8_amax_history_len=16,
@@ -521,11 +423,11 @@ def test_fp8_runs_every_te_module_under_autocast_with_the_flags_recipe(stub_te) 
                      kernel_choices=REFERENCE)  # fmt: skip
     tokens = torch.randint(50, (2, 8), generator=torch.Generator().manual_seed(0))
     model(tokens=tokens, labels=tokens)
-    assert len(AUTOCASTS) == 4 * config.num_layers  # each TE module's forward, once
-    recipe, group = AUTOCASTS[0]
-    assert recipe == _StubDelayedScaling(
+    assert len(te_stub.AUTOCASTS) == 1  # once per chunk forward (it was once per TE module: 8)
+    recipe, group = te_stub.AUTOCASTS[0]
+    assert recipe == te_stub.StubDelayedScaling(
         margin=2,
-        fp8_format=_StubFormat.E4M3,
+        fp8_format=te_stub.StubFormat.E4M3,
         amax_history_len=16,
         amax_compute_algo="most_recent",
         reduce_amax=False,
@@ -534,6 +436,6 @@ def test_fp8_runs_every_te_module_under_autocast_with_the_flags_recipe(stub_te) 
     plain = GPTModel(config, ParallelState.single(), RNGTracker(5), seed=5,
                      kernels=KernelConfig(transformer_impl="transformer_engine"),
                      kernel_choices=REFERENCE)  # fmt: skip
-    AUTOCASTS.clear()
+    te_stub.AUTOCASTS.clear()
     plain(tokens=tokens, labels=tokens)
-    assert AUTOCASTS == []  # no --fp8-format: no autocast
+    assert te_stub.AUTOCASTS == []  # no --fp8-format: no autocast

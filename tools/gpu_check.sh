@@ -1,43 +1,77 @@
 #!/usr/bin/env bash
-# The GPU check: everything CI cannot run, on a machine with one CUDA GPU and no network.
+# The GPU check: everything CI cannot run, on a machine with CUDA GPUs and no network.
 #
-#   bash tools/gpu_check.sh            # from anywhere; not yet timed on a GPU (caps: 370 s)
+#   bash tools/gpu_check.sh            # from anywhere; not yet timed on a GPU (caps: 1,260 s)
 #
-# Parts (each under its own `timeout`; the caps add up to 370 s, about 6 minutes, and the parts
-# should take 4-5; a part cut off by its cap is a TIMEOUT, and a rerun finds Triton's cache warm):
+# Parts (each under its own `timeout`; a part cut off by its cap is a TIMEOUT):
 #   kernels   tests/test_kernels_cuda.py: every fused kernel (Triton, apex, TE) against an fp64
 #             reference in fp32, bf16 and fp16, forward and backward (a NaN never passes); plus
-#             tests/test_transformer_engine.py (its TE cases run when TE is installed)
+#             tests/test_transformer_engine.py (its TE cases run when TE is installed) and
+#             tests/test_grad_norm.py (the CUDA grad norm against float64)
 #   training  benchmarks/gpu_training_check.py: a small GPT trained with pretrain_gpt.py in
 #             fp32, bf16 and fp16 (and TE bf16 / TE FP8 where TE is installed): losses fall and
 #             stay within each precision's tolerance of fp32
 #   mfu       benchmarks/bench_gpu_mfu.py: a ~1.3B GPT (24 x 2048, 16 heads, seq 2048, bf16,
 #             flash attention, fused kernels) against a plain-PyTorch GPT of the same math
 #   bench     benchmarks/bench_kernels.py: each fused op's speed-up over its reference
+#   multi-gpu torchrun pretrain_gpt.py on 2 ranks, PP=2, NCCL, bf16, a tiny GPT for a few
+#             iterations (only with 2+ GPUs: NCCL refuses two ranks on one GPU, "Duplicate GPU
+#             detected", so with one GPU the part is skipped and says so)
+#
+# The caps are sized for a cold Triton cache (a fresh machine or container, ~/.triton/cache
+# empty): every Triton kernel then compiles on first use, per dtype, forward and backward and
+# per shape specialisation, at ~1-3 s each (LLVM + ptxas), and each pretrain_gpt.py process
+# pays CUDA start-up (~5-10 s) besides. kernels compiles ~40 variants (3 dtypes x 7 kernels x
+# forward/backward), training 3-5 runs that each compile their dtype's kernels, mfu and bench
+# the bf16 kernels at their shapes, multi-gpu the same on two ranks at once; a warm rerun takes
+# a fraction of each cap. Caps: kernels 300, training 300, mfu 300, bench 180, multi-gpu 180 s.
 #
 # Writes the parts' logs and JSON to $GPU_CHECK_OUT (default benchmarks/out/gpu_check/), prints
 # one summary table last and exits 1 if any part failed, 2 if there is no CUDA device.
+# Sourced (`source tools/gpu_check.sh`), it only defines its functions (tests/test_gpu_check.py).
+# `bash tools/gpu_check.sh --multi-gpu-run gloo` runs the multi-gpu part's command on CPU ranks.
 set -u -o pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${GPU_CHECK_OUT:-$ROOT/benchmarks/out/gpu_check}"
 PYTHON="${PYTHON:-python}"
-cd "$ROOT" || exit 2
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-unset RANK WORLD_SIZE LOCAL_RANK TRITON_INTERPRET
 
-if ! "$PYTHON" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)" \
-    2>/dev/null; then
-    echo "gpu_check: no CUDA device here (torch.cuda.is_available() is False, or torch does not" \
-        "import); this script needs one GPU. CI covers the rest: python -m pytest tests" >&2
-    exit 2
-fi
-mkdir -p "$OUT" || exit 2
-DEVICE="$("$PYTHON" -c "import torch; print(torch.cuda.get_device_name())")"
-echo "gpu_check on $DEVICE; logs in $OUT"
+# gpu_count: the CUDA devices this process may use, as torch counts them (CUDA_VISIBLE_DEVICES
+# applies; nvidia-smi is not needed and not consulted); 0 without CUDA or without torch.
+gpu_count() {
+    local count
+    count="$("$PYTHON" -c "import torch; print(torch.cuda.device_count() \
+if torch.cuda.is_available() else 0)" 2>/dev/null)" || count=0
+    [[ "$count" =~ ^[0-9]+$ ]] || count=0
+    echo "$count"
+}
+
+# multi_gpu_plan COUNT: "run" when COUNT GPUs can hold the 2-rank check, else the line that
+# says why it is skipped.
+multi_gpu_plan() {
+    if [ "$1" -ge 2 ]; then
+        echo "run"
+    else
+        echo "multi-gpu: skipped: $1 GPU(s) here, and NCCL refuses two ranks on one GPU" \
+            "(\"Duplicate GPU detected\"); the 2-rank PP=2 NCCL check needs 2 GPUs"
+    fi
+}
+
+# multi_gpu_run BACKEND [FLAGS...]: the 2-rank check, torchrun pretrain_gpt.py with PP=2 on
+# BACKEND (nccl here; gloo for its CPU test) and a tiny GPT for 5 iterations, plus FLAGS.
+# Also `bash tools/gpu_check.sh --multi-gpu-run BACKEND [FLAGS...]`.
+multi_gpu_run() {
+    local backend="$1"
+    shift
+    "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node 2 "$ROOT/pretrain_gpt.py" \
+        --distributed-backend "$backend" --pipeline-model-parallel-size 2 \
+        --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 \
+        --max-position-embeddings 64 --vocab-size 512 --micro-batch-size 1 \
+        --global-batch-size 4 --train-iters 5 --lr 1e-3 --mock-data --eval-iters 0 \
+        --log-interval 1 --attention-dropout 0 --hidden-dropout 0 --seed 1234 "$@"
+}
 
 NAMES=() RESULTS=() SECONDS_TAKEN=() DETAILS=()
-BEGIN=$(date +%s)
 
 # part NAME CAP_SECONDS COMMAND...: run one part under `timeout`, its output to the screen and
 # to $OUT/NAME.log; record ok / FAIL (exit status) / TIMEOUT.
@@ -57,26 +91,69 @@ part() {
     NAMES+=("$name") RESULTS+=("$result") SECONDS_TAKEN+=("$(($(date +%s) - start))")
 }
 
-part kernels 110 "$PYTHON" -m pytest -o addopts= -q -rfs -p no:cacheprovider \
-    tests/test_kernels_cuda.py tests/test_transformer_engine.py
-DETAILS+=("$(grep -E '[0-9]+ (passed|failed|skipped|error)' "$OUT/kernels.log" | tail -n 1)")
+main() {
+    cd "$ROOT" || exit 2
+    export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+    unset RANK WORLD_SIZE LOCAL_RANK TRITON_INTERPRET
+    if ! "$PYTHON" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)" \
+        2>/dev/null; then
+        echo "gpu_check: no CUDA device here (torch.cuda.is_available() is False, or torch does" \
+            "not import); this script needs a GPU. CI covers the rest: python -m pytest tests" >&2
+        exit 2
+    fi
+    mkdir -p "$OUT" || exit 2
+    local device gpus begin plan failed i
+    device="$("$PYTHON" -c "import torch; print(torch.cuda.get_device_name())")"
+    gpus="$(gpu_count)"
+    echo "gpu_check on $gpus x $device; logs in $OUT"
+    begin=$(date +%s)
 
-part training 100 "$PYTHON" benchmarks/gpu_training_check.py --json "$OUT/gpu_training_check.json"
-DETAILS+=("$(grep -E '^(bf16|fp16|te-bf16|te-fp8) ' "$OUT/training.log" | awk '{print $1 " " $4 " vs fp32"}' | paste -sd ';' -)")
+    part kernels 300 "$PYTHON" -m pytest -o addopts= -q -rfs -p no:cacheprovider \
+        tests/test_kernels_cuda.py tests/test_transformer_engine.py tests/test_grad_norm.py
+    DETAILS+=("$(grep -E '[0-9]+ (passed|failed|skipped|error)' "$OUT/kernels.log" | tail -n 1)")
 
-part mfu 120 "$PYTHON" benchmarks/bench_gpu_mfu.py --json "$OUT/gpu_mfu.json"
-DETAILS+=("$(grep -E '^(megapipe|plain)' "$OUT/mfu.log" | awk '{print $1 " MFU " $(NF-1) " " $NF}' | paste -sd ';' -)")
+    part training 300 "$PYTHON" benchmarks/gpu_training_check.py \
+        --json "$OUT/gpu_training_check.json"
+    DETAILS+=("$(grep -E '^(bf16|fp16|te-bf16|te-fp8) ' "$OUT/training.log" \
+        | awk '{print $1 " " $4 " vs fp32"}' | paste -sd ';' -)")
 
-part bench 40 "$PYTHON" benchmarks/bench_kernels.py --impl triton,apex,te \
-    --json "$OUT/kernels.json"
-DETAILS+=("speed-up per op: $OUT/bench.log")
+    part mfu 300 "$PYTHON" benchmarks/bench_gpu_mfu.py --json "$OUT/gpu_mfu.json"
+    DETAILS+=("$(grep -E '^(megapipe|plain)' "$OUT/mfu.log" \
+        | awk '{print $1 " MFU " $(NF-1) " " $NF}' | paste -sd ';' -)")
 
-echo
-echo "=== gpu_check summary ($DEVICE, $(($(date +%s) - BEGIN)) s in all)"
-printf '%-9s %-12s %8s  %s\n' part result seconds detail
-failed=0
-for i in "${!NAMES[@]}"; do
-    printf '%-9s %-12s %8s  %s\n' "${NAMES[$i]}" "${RESULTS[$i]}" "${SECONDS_TAKEN[$i]}" "${DETAILS[$i]}"
-    [ "${RESULTS[$i]}" = "ok" ] || failed=1
-done
-exit "$failed"
+    part bench 180 "$PYTHON" benchmarks/bench_kernels.py --impl triton,apex,te \
+        --json "$OUT/kernels.json"
+    DETAILS+=("speed-up per op: $OUT/bench.log")
+
+    plan="$(multi_gpu_plan "$gpus")"
+    if [ "$plan" = "run" ]; then
+        part multi-gpu 180 bash "$ROOT/tools/gpu_check.sh" --multi-gpu-run nccl --bf16
+        DETAILS+=("$(grep -oE 'iteration +[0-9]+/ +[0-9]+|lm loss: [0-9.E+-]+' \
+            "$OUT/multi-gpu.log" | tail -n 2 | paste -sd ' ' -)")
+    else
+        echo
+        echo "$plan" | tee "$OUT/multi-gpu.log"
+        NAMES+=("multi-gpu") RESULTS+=("skipped") SECONDS_TAKEN+=(0)
+        DETAILS+=("needs 2 GPUs (NCCL refuses two ranks on one GPU)")
+    fi
+
+    echo
+    echo "=== gpu_check summary ($gpus x $device, $(($(date +%s) - begin)) s in all)"
+    printf '%-9s %-12s %8s  %s\n' part result seconds detail
+    failed=0
+    for i in "${!NAMES[@]}"; do
+        printf '%-9s %-12s %8s  %s\n' "${NAMES[$i]}" "${RESULTS[$i]}" "${SECONDS_TAKEN[$i]}" \
+            "${DETAILS[$i]}"
+        case "${RESULTS[$i]}" in ok | skipped) ;; *) failed=1 ;; esac
+    done
+    exit "$failed"
+}
+
+if [ "${BASH_SOURCE[0]}" = "$0" ]; then
+    if [ "${1:-}" = "--multi-gpu-run" ]; then # the multi-gpu part's command, alone
+        shift
+        multi_gpu_run "$@"
+        exit
+    fi
+    main "$@"
+fi

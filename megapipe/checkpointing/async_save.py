@@ -4,7 +4,11 @@
 only cost training sees: one memcpy of the shards), then runs `save_sharded` on a thread.
 A second `save` first waits for the one in flight. The saver's `group` must be a process group
 used for nothing else (create one for checkpointing): collectives of two threads on one group
-would interleave. `wait()` re-raises the background save's error on the caller's thread.
+would interleave: `new_saving_group` makes one, a gloo group whatever the run's backend (the
+staged pieces are CPU tensors, and an NCCL group would need CUDA streams of its own on a thread
+that training does not wait for). The thread makes the caller's CUDA device current first (a new
+thread starts on device 0 whatever `set_device` the main thread called). `wait()` re-raises the
+background save's error on the caller's thread.
 """
 
 from __future__ import annotations
@@ -13,12 +17,39 @@ import copy
 import threading
 import time
 from collections.abc import Callable
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from megapipe.checkpointing.shards import ShardedState, TensorShard
 from megapipe.checkpointing.torch_dist import save_sharded
+
+SAVING_BACKEND = "gloo"  # CPU tensors off the training thread, on any machine
+
+
+def new_saving_group(timeout: timedelta | None = None) -> dist.ProcessGroup:
+    """A process group over the whole world for the saver's collectives only (collective:
+    every rank calls it): gloo even where the default group is NCCL. timeout: None for
+    torch's default (pass `parallel.initialize.default_group_timeout()`)."""
+    if timeout is None:
+        return dist.new_group(backend=SAVING_BACKEND)
+    return dist.new_group(backend=SAVING_BACKEND, timeout=timeout)
+
+
+def caller_device() -> torch.device:
+    """The calling thread's device: cuda:N where CUDA is in use (initialised), else cpu."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def thread_cuda_device(device: torch.device) -> int | None:
+    """The CUDA device index the saving thread makes current for `device` (the one training
+    runs on), or None off CUDA (nothing to set)."""
+    if device.type != "cuda":
+        return None
+    return 0 if device.index is None else device.index
 
 
 def stage(shards: ShardedState) -> ShardedState:
@@ -37,10 +68,12 @@ def stage(shards: ShardedState) -> ShardedState:
 
 
 class AsyncSaver:
-    """One background `save_sharded` at a time over a dedicated checkpointing `group`."""
+    """One background `save_sharded` at a time over a dedicated checkpointing `group`
+    (None: this rank alone). device: the one training runs on (default: the caller's)."""
 
-    def __init__(self, group: dist.ProcessGroup | None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, device: torch.device | None = None) -> None:
         self._group = group
+        self.device = caller_device() if device is None else device
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
@@ -61,8 +94,12 @@ class AsyncSaver:
         staged = stage(shards)
         staged_common = copy.deepcopy(common)
 
+        cuda_index = thread_cuda_device(self.device)
+
         def run() -> None:
             try:
+                if cuda_index is not None:
+                    torch.cuda.set_device(cuda_index)
                 save_sharded(
                     directory, staged, staged_common, group=self._group, coordinator=coordinator
                 )

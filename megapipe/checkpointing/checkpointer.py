@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from megapipe.checkpointing.async_save import AsyncSaver
+from megapipe.checkpointing.async_save import AsyncSaver, new_saving_group
 from megapipe.checkpointing.errors import CheckpointError
 from megapipe.checkpointing.run_state import (
     CHECKPOINT_VERSION,
@@ -103,9 +103,9 @@ class Checkpointer:
             # its own group: the background thread's collectives must not interleave with
             # the training thread's (collective: every rank builds the Checkpointer)
             group = None
-            if state.world_size > 1:  # with the world's timeout, not new_group's default
-                group = torch.distributed.new_group(timeout=default_group_timeout())
-            self.saver = AsyncSaver(group)
+            if state.world_size > 1:  # gloo, with the world's timeout (not new_group's default)
+                group = new_saving_group(default_group_timeout())
+            self.saver = AsyncSaver(group, state.device)
 
     # --- saving ---------------------------------------------------------------------------
 

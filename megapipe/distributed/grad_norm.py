@@ -14,7 +14,6 @@ import torch.distributed as dist
 
 from megapipe.parallel.state import ParallelState
 
-SQUARE_SLICE = 1 << 20  # entries squared at once off the CPU: a 4 MiB fp32 temporary
 DOT_SLICE = 1 << 16  # entries per torch.dot on the CPU
 
 
@@ -36,31 +35,45 @@ def gradient(param: torch.nn.Parameter) -> torch.Tensor | None:
 def sum_of_squares(
     tensors: list[torch.Tensor], device: torch.device, *, by_dot: bool | None = None
 ) -> torch.Tensor:
-    """Σ x² over all entries: fp32 partial sums of slices, added in float64.
+    """Σ x² over all entries, as a float64 scalar on `device`.
 
     The result must not depend on how the gradient is split over ranks beyond fp32 rounding
-    (layout parity), and must cost about what torch's own fp32 norm costs:
+    (layout parity), and must cost about what torch's own fp32 norm costs, with no temporary
+    of a gradient's size (callers pass few large tensors: the optimizer passes its merged
+    contiguous gradient runs, and squaring one at once would be the step's memory peak):
     * on the CPU (`by_dot`, the default there) each DOT_SLICE-entry slice is one
-      `torch.dot(x, x)` (BLAS, no temporary): within 7e-8 relative of the float64 value, as
-      close as squaring and summing, at 3.4x its speed (74 against 254 us at 0.5 M entries,
-      0.79 against 1.97 ms at 4.2 M; one thread). torch._foreach_norm (clip_grad_norm_) is
-      8e-6 off at 0.5 M and 1.6e-4 at 4.2 M entries; one dot over a whole run, 4e-7 at 0.5 M;
-    * elsewhere (CUDA: a dot per slice would be a kernel launch per 64K entries) each
-      SQUARE_SLICE-entry slice is squared and summed (`torch.sum` is a cascade summation).
-    Callers pass few large tensors (the optimizer passes its merged contiguous gradient runs),
-    so slices also bound the temporaries: a whole run squared at once would be one more fp32
-    copy of the gradient, the step's memory peak. bf16/fp16 slices are widened to fp32 first.
+      `torch.dot(x, x)` (BLAS, no temporary), the dots added in float64: within 7e-8 relative
+      of the float64 value at 3.4x the speed of squaring and summing (74 against 254 us at
+      0.5 M entries, one thread). The CPU's fp32 norm kernel is not used there: it is 9e-6 off
+      float64 at 0.5 M entries and 2e-4 at 4.2 M;
+    * elsewhere (CUDA) one `torch._foreach_norm` per dtype over the whole tensors, as
+      `torch.nn.utils.clip_grad_norm_` does: CUDA's multi-tensor kernel sums 65,536-entry
+      chunks in fp32 (one launch per 320 chunks, or 2,240 with large kernel arguments) and
+      adds each tensor's chunk sums in a clean-up launch: tens of launches for a 1.3B model
+      where 1M-entry slices took two kernels each (~2,500). The per-tensor norms are squared
+      and added in float64; bf16/fp16 gradients are read as they are and accumulated in fp32
+      (no widened copy). Not yet counted or timed on a GPU.
     """
     if not tensors:
         return torch.zeros((), dtype=torch.float64, device=device)
     if by_dot is None:
         by_dot = all(t.device.type == "cpu" for t in tensors)
-    sums = []
+    if by_dot:
+        sums = []
+        for t in tensors:
+            for piece in t.detach().reshape(-1).split(DOT_SLICE):
+                piece = piece.float()
+                sums.append(torch.dot(piece, piece))
+        return torch.stack(sums).to(device=device, dtype=torch.float64).sum()
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
-        for piece in t.detach().reshape(-1).split(DOT_SLICE if by_dot else SQUARE_SLICE):
-            piece = piece.float()
-            sums.append(torch.dot(piece, piece) if by_dot else torch.sum(piece * piece))
-    return torch.stack(sums).to(device=device, dtype=torch.float64).sum()
+        by_dtype.setdefault(t.dtype, []).append(t.detach())
+    norms = []
+    for dtype, group in by_dtype.items():
+        accumulate = torch.float64 if dtype == torch.float64 else torch.float32
+        norms.extend(torch._foreach_norm(group, 2.0, dtype=accumulate))
+    norms = torch.stack(norms).to(device=device, dtype=torch.float64)
+    return (norms * norms).sum()
 
 
 def global_grad_norm(params: Iterable[torch.nn.Parameter], state: ParallelState) -> float:

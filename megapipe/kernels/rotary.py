@@ -3,8 +3,9 @@
 
 x: [s, b, heads, d] (d even); cos, sin: the tables of `RotaryEmbedding` ([positions, 1, 1, d]
 or [positions, d]), of which positions offset..offset+s-1 are used (offset > 0 for the new
-tokens of a generation step after a KV cache). The tables get no gradient. The reference casts
-the tables to x's dtype as the model does; the Triton kernel reads them in fp32.
+tokens of a generation step after a KV cache). The tables get no gradient and are fp32 (also
+in bf16 models, model/rotary.py). Both implementations compute in fp32 (the reference in x's
+dtype where that is wider: float64 for the tests' exact runs) and cast the result to x's dtype.
 """
 
 from __future__ import annotations
@@ -37,10 +38,12 @@ def rotary_reference(
     """The specification: plain torch, autograd through it (the model's formula)."""
     cos, sin = _tables(x, cos, sin, offset)
     end = offset + x.shape[0]
-    cos = cos[offset:end, None, None, :].to(x.dtype)
-    sin = sin[offset:end, None, None, :].to(x.dtype)
-    first, second = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-second, first], dim=-1) * sin
+    math_dtype = torch.promote_types(x.dtype, torch.float32)
+    cos = cos[offset:end, None, None, :].to(math_dtype)
+    sin = sin[offset:end, None, None, :].to(math_dtype)
+    wide = x.to(math_dtype)
+    first, second = wide.chunk(2, dim=-1)
+    return (wide * cos + torch.cat([-second, first], dim=-1) * sin).to(x.dtype)
 
 
 def rotary_triton(

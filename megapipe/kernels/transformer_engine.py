@@ -3,6 +3,9 @@
 The decisions are pure functions of plain data (is TE usable, the device type, its compute
 capability, the flags) so that CPU tests can decide for a GPU they are not running on; only
 `fp8_recipe` and `fp8_autocast` import TransformerEngine, and only when FP8 is on.
+`FP8Scope` decides where the autocast is entered: once per model chunk forward (the amax
+reduction and scale update run when the outermost autocast exits, so once per chunk, not once
+per module), and again only for TE modules that run outside it (a recomputation in backward).
 
 Rules (each refusal is one ConfigError line naming the flag and what is missing):
 - `--transformer-impl transformer_engine` needs a CUDA device and an importable
@@ -14,7 +17,7 @@ Rules (each refusal is one ConfigError line naming the flag and what is missing)
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from megapipe.errors import ConfigError
@@ -123,3 +126,44 @@ def fp8_autocast(recipe: Any | None, group: Any | None) -> Iterator[None]:
         context = te.fp8_autocast(enabled=True, fp8_recipe=recipe, fp8_group=group)
     with context:
         yield
+
+
+class FP8Scope:
+    """One model chunk's FP8 autocast: `with scope():` enters `enter()` (e.g. a
+    `functools.partial(fp8_autocast, recipe, group)`) unless this scope is already entered, so
+    a chunk's forward enters it once and the modules inside, which also ask, enter nothing.
+    enter None: no FP8, every `with scope():` is a no-op. `entries` counts real entries."""
+
+    def __init__(self, enter: Callable[[], contextlib.AbstractContextManager] | None) -> None:
+        self._enter = enter
+        self._depth = 0
+        self.entries = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self._enter is not None
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        if self._enter is None or self._depth:
+            yield
+            return
+        self._depth += 1
+        self.entries += 1
+        try:
+            with self._enter():
+                yield
+        finally:
+            self._depth -= 1
+
+    def wrap(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        """`function` run inside this scope (for a recomputed piece: its forward again in
+        backward, outside the chunk's autocast, enters it once for the whole piece)."""
+        if self._enter is None:
+            return function
+
+        def scoped(*args: Any, **kwargs: Any) -> Any:
+            with self():
+                return function(*args, **kwargs)
+
+        return scoped

@@ -27,6 +27,7 @@ from megapipe.model.fused_ops import kernel_choices as kernel_choices_for
 from megapipe.model.initialization import initialize_parameters
 from megapipe.model.recompute import recompute, recomputed_groups, wanted
 from megapipe.model.rotary import RotaryEmbedding
+from megapipe.model.te_layers import chunk_fp8_scope
 from megapipe.model.transformer_layer import TransformerLayer
 from megapipe.parallel.mappings import scatter_to_sequence_parallel_region
 from megapipe.parallel.random import RNGTracker
@@ -112,6 +113,7 @@ class Decoder(torch.nn.Module):
         recompute = recompute or RecomputeConfig()
         self.rng = rng
         self.sequence_parallel = sequence_parallel
+        self.fp8 = chunk_fp8_scope(kernels, tp)  # entered once per forward, around the layers
         self.layers = torch.nn.ModuleDict(
             {
                 str(i): TransformerLayer(
@@ -123,6 +125,7 @@ class Decoder(torch.nn.Module):
                     recompute=recompute,
                     kernels=kernels,
                     choices=choices,
+                    fp8_scope=self.fp8,
                 )
                 for i in layers
             }
@@ -158,12 +161,13 @@ class Decoder(torch.nn.Module):
                 x = layers[i](x, rotary, mask, dropout_masks, kv_cache)
             return x
 
-        with self.rng.fork() if self.sequence_parallel else contextlib.nullcontext():
+        fork = self.rng.fork() if self.sequence_parallel else contextlib.nullcontext()
+        with self.fp8(), fork:
             i = 0
             while i < len(layers):
                 group = groups.get(i, range(i, i + 1))
-                if i in groups:
-                    x = recompute(run, x, attention_mask, group, rng=self.rng)
+                if i in groups:  # in backward, outside this scope: enters it once again
+                    x = recompute(self.fp8.wrap(run), x, attention_mask, group, rng=self.rng)
                 else:
                     x = run(x, attention_mask, group)
                 i = group.stop

@@ -6,6 +6,8 @@ from collections.abc import Callable
 
 import torch
 
+from megapipe.kernels.rotary import rotary_reference
+
 
 class RotaryEmbedding(torch.nn.Module):
     """cos/sin tables shaped [s, 1, 1, head_dim], built for `max_positions` positions.
@@ -13,6 +15,12 @@ class RotaryEmbedding(torch.nn.Module):
     RoPE has no learned table, so `max_positions` (--max-position-embeddings) is only the
     table's first size: a longer sequence (Megatron lets --seq-length exceed it under rope)
     rebuilds the tables for its length, once.
+
+    The tables stay fp32 in a bf16/fp16 model (`model.to(torch.bfloat16)` rebuilds them in
+    fp32 rather than rounding them: a bf16 cos is off by up to 2^-9), and the rotation runs in
+    fp32 (or x's dtype, if wider) with the result cast back to x's dtype, as the fused kernel
+    does (`kernels.rotary.rotary_reference`, the plain-torch path): one rounding of the
+    output instead of rounded tables, products and sum.
     """
 
     def __init__(
@@ -36,6 +44,15 @@ class RotaryEmbedding(torch.nn.Module):
         angles = torch.cat([angles, angles], dim=-1)[:, None, None, :]
         return angles.cos().float().to(device), angles.sin().float().to(device)
 
+    def _apply(
+        self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True
+    ) -> RotaryEmbedding:
+        """`.to()`, `.cuda()`, `.half()`...: the tables follow the device, never below fp32."""
+        super()._apply(fn, recurse)
+        if self.cos.dtype in (torch.float16, torch.bfloat16):
+            self.cos, self.sin = self._tables(self.cos.shape[0], self.cos.device)
+        return self
+
     def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
         """Rotate x of shape [s, b, heads, head_dim] by the angles of positions
         offset..offset+s-1 (offset > 0: the new tokens of a generation step after a KV cache)."""
@@ -44,6 +61,4 @@ class RotaryEmbedding(torch.nn.Module):
             self.cos, self.sin = self._tables(end, self.cos.device)
         if self.kernel is not None:
             return self.kernel(x, self.cos, self.sin, offset)
-        cos, sin = self.cos[offset:end].to(x.dtype), self.sin[offset:end].to(x.dtype)
-        first, second = x.chunk(2, dim=-1)
-        return x * cos + torch.cat([-second, first], dim=-1) * sin
+        return rotary_reference(x, self.cos, self.sin, offset)

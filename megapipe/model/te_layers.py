@@ -23,14 +23,21 @@ become TE's fused names, which are also Megatron-Core's: `input_layernorm.weight
 `self_attention.linear_qkv.layer_norm_weight`, `pre_mlp_layernorm.*` ->
 `mlp.linear_fc1.layer_norm_*`. `te_parameter_name` / `local_parameter_name` map between them
 and `local_state_dict` turns a TE model's state dict into --transformer-impl local's, so
-checkpoints interchange. FP8 (--fp8-format) runs each TE module's forward under TE's autocast
-with the run's DelayedScaling recipe, amax reduced over the TP group.
+checkpoints interchange.
+
+FP8 (--fp8-format): TE's autocast with the run's DelayedScaling recipe, amax reduced over the
+TP group, is entered once per model chunk forward (`chunk_fp8_scope`, entered by the Decoder
+around its layers; a TE module entered outside it, as in a recomputation during backward,
+enters it itself). Each TE module is told `is_first_microbatch`: True on its first forward
+after `start_microbatches` (called at the start of each training step and each evaluation),
+False after, so TE casts the weights to fp8 once per step and reuses the cast for the other
+micro-batches (and for recomputation).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -38,7 +45,12 @@ from typing import Any
 import torch
 
 from megapipe.config import KernelConfig, ModelConfig
-from megapipe.kernels.transformer_engine import fp8_autocast, fp8_recipe, fp8_recipe_kwargs
+from megapipe.kernels.transformer_engine import (
+    FP8Scope,
+    fp8_autocast,
+    fp8_recipe,
+    fp8_recipe_kwargs,
+)
 from megapipe.parallel.state import Group
 
 # The norm each LayerNormLinear absorbs: TE site -> megapipe norm module
@@ -160,21 +172,57 @@ def local_state_dict(state: Mapping[str, Any], config: ModelConfig) -> dict[str,
     }
 
 
+def chunk_fp8_scope(kernels: KernelConfig | None, tp: Group) -> FP8Scope:
+    """The FP8 autocast one model chunk enters around its layers: TE's, with the run's recipe
+    (amax reduced over `tp` when it has more than one rank); a no-op scope without FP8 (no
+    --fp8-format, or --transformer-impl local). Imports TransformerEngine only for FP8."""
+    if kernels is None or kernels.transformer_impl != "transformer_engine":
+        return FP8Scope(None)
+    kwargs = fp8_recipe_kwargs(kernels)
+    if kwargs is None:
+        return FP8Scope(None)
+    recipe = fp8_recipe(kwargs, reduce_amax=tp.size > 1)
+    return FP8Scope(functools.partial(fp8_autocast, recipe, tp.pg))
+
+
+def take_first_microbatch(module: torch.nn.Module) -> bool:
+    """TE's `is_first_microbatch` for this forward of `module`: True once after each
+    `start_microbatches`, then False (the weights have not changed since)."""
+    first = module.megapipe_first_microbatch
+    module.megapipe_first_microbatch = False
+    return first
+
+
+def start_microbatches(chunks: Iterable[torch.nn.Module]) -> int:
+    """Mark every TE module of `chunks` so that its next forward recasts (and caches) its fp8
+    weights: call where micro-batches over possibly new weights start (each training step,
+    each evaluation). Returns how many modules were marked (0 without TE)."""
+    marked = 0
+    for chunk in chunks:
+        for module in chunk.modules():
+            if hasattr(module, "megapipe_first_microbatch"):
+                module.megapipe_first_microbatch = True
+                marked += 1
+    return marked
+
+
 @functools.cache
 def _adapter_class(te_class: type) -> type:
-    """`te_class` with megapipe's linear interface: forward(x) -> (output, bias or None), run
-    under FP8 autocast when the module has a recipe. A subclass, not a wrapper, so the
-    parameter names stay `linear_qkv.weight` (not `linear_qkv.module.weight`)."""
+    """`te_class` with megapipe's linear interface: forward(x) -> (output, bias or None), with
+    `is_first_microbatch` from its own flag, inside its chunk's FP8 scope (a no-op when the
+    chunk already entered it). A subclass, not a wrapper, so the parameter names stay
+    `linear_qkv.weight` (not `linear_qkv.module.weight`)."""
 
     class Adapter(te_class):
-        megapipe_fp8_recipe: Any = None
-        megapipe_fp8_group: Any = None
+        megapipe_fp8_scope: FP8Scope = FP8Scope(None)
+        megapipe_first_microbatch = True
         megapipe_returns_bias = False
         megapipe_has_bias = True
 
         def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-            with fp8_autocast(self.megapipe_fp8_recipe, self.megapipe_fp8_group):
-                out = super().forward(x)
+            first = take_first_microbatch(self)
+            with self.megapipe_fp8_scope():
+                out = super().forward(x, is_first_microbatch=first)
             if not self.megapipe_returns_bias:
                 return out, None
             out, bias = out
@@ -184,15 +232,14 @@ def _adapter_class(te_class: type) -> type:
     return Adapter
 
 
-def build_te_linear(spec: TELinearSpec, tp: Group, recipe: Any | None) -> torch.nn.Module:
+def build_te_linear(spec: TELinearSpec, tp: Group, fp8_scope: FP8Scope) -> torch.nn.Module:
     """The TE module of `spec` on the current CUDA device (imports TransformerEngine)."""
     import transformer_engine.pytorch as te
 
     cls = _adapter_class(getattr(te, spec.te_class))
     init = functools.partial(torch.nn.init.normal_, mean=0.0, std=spec.init_std)
     module = cls(**spec.kwargs, tp_group=tp.pg, init_method=init, device="cuda")
-    module.megapipe_fp8_recipe = recipe
-    module.megapipe_fp8_group = tp.pg
+    module.megapipe_fp8_scope = fp8_scope
     module.megapipe_returns_bias = spec.returns_bias
     module.megapipe_has_bias = bool(spec.kwargs["bias"])
     return module
@@ -206,9 +253,11 @@ def use_transformer_engine(
     *,
     sequence_parallel: bool,
     output_init_std: float,
+    fp8_scope: FP8Scope | None = None,
 ) -> None:
     """Replace a built TransformerLayer's linears and norms by TE modules, in place; each TE
-    parameter takes the ParamMeta of the megapipe parameter it replaces."""
+    parameter takes the ParamMeta of the megapipe parameter it replaces. fp8_scope: the
+    chunk's (default: one of the layer's own, `chunk_fp8_scope`)."""
     specs = te_layer_specs(
         config,
         tp.size,
@@ -216,10 +265,10 @@ def use_transformer_engine(
         output_init_std=output_init_std,
         fc1_skip_bias_add=layer.mlp.linear_fc1.skip_bias_add,
     )
-    kwargs = fp8_recipe_kwargs(kernels)
-    recipe = None if kwargs is None else fp8_recipe(kwargs, reduce_amax=tp.size > 1)
+    if fp8_scope is None:
+        fp8_scope = chunk_fp8_scope(kernels, tp)
     for spec in specs.values():
-        module = build_te_linear(spec, tp, recipe)
+        module = build_te_linear(spec, tp, fp8_scope)
         for name, param in module.named_parameters():
             if name not in spec.params:
                 raise RuntimeError(

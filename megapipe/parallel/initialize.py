@@ -19,11 +19,42 @@ import torch
 import torch.distributed as dist
 
 RESTART_VAR = "TORCHELASTIC_RESTART_COUNT"
+MAX_CONNECTIONS_VAR = "CUDA_DEVICE_MAX_CONNECTIONS"
 
 
 def default_backend() -> str:
     """NCCL when CUDA is present, else gloo (CPU ranks on one or many hosts)."""
     return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_kwargs(backend: str, local_rank: int) -> dict[str, torch.device]:
+    """`init_process_group`'s device argument: on NCCL `device_id=cuda:LOCAL_RANK`, which makes
+    the communicator eagerly, bound to that device (no guessing the device at the first
+    collective; what NCCL's split and some of its features need); on gloo none."""
+    if backend == "nccl":
+        return {"device_id": torch.device("cuda", local_rank)}
+    return {}
+
+
+def max_connections_warning(
+    value: str | None, *, device_type: str, tp_size: int, tp_comm_overlap: bool
+) -> str | None:
+    """The start-up warning when the TP backward overlap cannot work as meant, else None.
+
+    The TP linears start their input-gradient all-reduce (reduce-scatter under sequence
+    parallelism) and compute the weight gradient meanwhile (layers/linear_function.py). On
+    CUDA the collective's kernel must be queued on the GPU before the matmul's, which only one
+    hardware work queue guarantees: CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron-LM requires it
+    for the same overlap). value: the variable's value (None: unset)."""
+    if device_type != "cuda" or tp_size <= 1 or not tp_comm_overlap or value == "1":
+        return None
+    shown = "unset" if value is None else f"{value!r}"
+    return (
+        f"{MAX_CONNECTIONS_VAR} is {shown}, but --tp-comm-overlap (on by default, with "
+        f"--tensor-model-parallel-size {tp_size}) needs {MAX_CONNECTIONS_VAR}=1 so that each "
+        "input-gradient all-reduce is queued before the weight-gradient matmul it overlaps; "
+        f"export {MAX_CONNECTIONS_VAR}=1, or pass --no-async-tensor-model-parallel-allreduce"
+    )
 
 
 def initialize_distributed(
@@ -46,23 +77,27 @@ def initialize_distributed(
     alone = "MASTER_PORT" not in os.environ and os.environ.get("WORLD_SIZE", "1") == "1"
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cpu")
     if backend == "nccl":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         timeout = timedelta(minutes=timeout_minutes)
         attempt = os.environ.get(RESTART_VAR)
+        extra = init_kwargs(backend, local_rank)
         if alone:  # a store on a port the OS picks while binding it: two runs never collide
             store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)
-            dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+            dist.init_process_group(
+                backend, store=store, rank=0, world_size=1, timeout=timeout, **extra
+            )
         elif attempt is None:
-            dist.init_process_group(backend, timeout=timeout)
+            dist.init_process_group(backend, timeout=timeout, **extra)
         else:
             store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
             store = dist.PrefixStore(f"megapipe/attempt_{attempt}", store)
             dist.init_process_group(
-                backend, store=store, rank=rank, world_size=world_size, timeout=timeout
+                backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **extra
             )
     return device
 

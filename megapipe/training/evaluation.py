@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
+from megapipe.model.te_layers import start_microbatches
 from megapipe.parallel.state import ParallelState
 from megapipe.pipeline.executor import PipelineExecutor
 from megapipe.training.step import BatchSource, GlobalBatch, global_mean_loss
@@ -52,6 +53,7 @@ class Evaluator:
         self.evaluations += 1
         for chunk in self.chunks:
             chunk.eval()
+        start_microbatches(self.chunks)  # TE: the weights changed since the last fp8 cast
         total = 0.0
         try:
             with torch.no_grad():
