@@ -95,6 +95,9 @@ class ParallelConfig:
     # Post each receive one compute unit before the unit that needs it (the transfer overlaps
     # that compute); False posts it just before (Megatron's --no-overlap-p2p-communication).
     pipeline_receives_ahead: bool = True
+    # Debugging: run gloo's pipeline transfers in NCCL's order (one stream per process group,
+    # in posting order), so that a posting order that would hang on GPUs hangs on the CPU too.
+    emulate_nccl_p2p_order: bool = False
     pipeline_trace: str | None = None  # Chrome-trace JSON of the measured schedule
     sequence_parallel: bool = False
     # TP linears overlap their backward collectives with the next matmul; False (Megatron's
@@ -307,6 +310,7 @@ class KernelConfig:
     also depends on the device and on what is installed (megapipe/kernels/dispatch.py)."""
 
     attention_backend: str = "auto"  # auto, flash, fused, unfused or local
+    attention_dropout_rng: str = "auto"  # auto (fused on CUDA), fused or layout-invariant
     transformer_impl: str = "local"  # or transformer_engine
     bias_gelu_fusion: bool = True
     bias_dropout_fusion: bool = True

@@ -41,7 +41,8 @@ LAYOUTS = {
     "dp2": (2, []),
     "dp4": (4, []),
     "tp2-pp2-dp2": (8, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size",
-                        "2", "--sequence-parallel"]),
+                        "2", "--sequence-parallel",
+                        "--emulate-nccl-p2p-order"]),  # the pipeline's transfers as on GPUs
 }  # fmt: skip
 
 

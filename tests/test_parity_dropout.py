@@ -38,6 +38,7 @@ TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 LAYOUTS = {  # name: (architecture flags, world size, layout flags)
     "tp2-sp": ([], 2, TP2_SP),
     "pp2": ([], 2, ["--pipeline-model-parallel-size", "2"]),
+    "pp2-nccl-order": ([], 2, ["--pipeline-model-parallel-size", "2", "--emulate-nccl-p2p-order"]),
     "tp2-pp2-dp2": ([], 8, TP2_SP + ["--pipeline-model-parallel-size", "2"]),
     "llama-tp2-sp": (LLAMA, 2, TP2_SP),  # GQA heads and rotary under TP, untied output
 }

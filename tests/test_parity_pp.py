@@ -20,6 +20,7 @@ from megapipe.parallel.state import ParallelState
 from megapipe.parity import shard_errors
 from megapipe.pipeline.executor import PipelineExecutor
 from megapipe.pipeline.model_chunks import activation_shape, build_model_chunks
+from megapipe.pipeline.p2p import P2PCommunicator
 from megapipe.pipeline.partition import partition_layers
 from megapipe.pipeline.schedules import build_schedule
 from megapipe.pipeline.simulator import simulate_kind
@@ -67,6 +68,7 @@ def _pipeline_parity(
     sequence_parallel=False,
     every_stage=False,
     post_ahead=False,
+    emulate=False,
 ):
     config = config_for(2 * pp * v, tied)
     state = ParallelState.build(tp, pp)
@@ -86,6 +88,7 @@ def _pipeline_parity(
         num_microbatches=m,
         activation_shape=activation_shape(config, MICRO_BATCH, tp, sequence_parallel),
         batch_on_every_stage=every_stage,
+        comm=P2PCommunicator(state, emulate_nccl_order=emulate),
     )
     reference = GPTModel(config, ParallelState.single(), RNGTracker(SEED), seed=SEED)
     params = [p for c in chunks for p in c.parameters()]
@@ -144,9 +147,13 @@ LAYOUTS = [  # tp, pp, v, schedule, tied, micro-batches
 ]
 
 
+EMULATE = pytest.mark.parametrize("emulate", [False, True], ids=["gloo", "nccl-order"])
+
+
+@EMULATE
 @pytest.mark.parametrize("tp,pp,v,kind,tied,m", LAYOUTS)
-def test_pipeline_matches_single_rank(tp, pp, v, kind, tied, m):
-    check_pipeline_parity(tp, pp, v, kind, tied, m)
+def test_pipeline_matches_single_rank(tp, pp, v, kind, tied, m, emulate):
+    check_pipeline_parity(tp, pp, v, kind, tied, m, emulate=emulate)
 
 
 @pytest.mark.parametrize(
@@ -158,17 +165,36 @@ def test_pipeline_matches_single_rank(tp, pp, v, kind, tied, m):
         (2, 2, 2, "interleaved-1f1b", False, 4),
     ],
 )
-def test_receives_posted_ahead_match_single_rank(tp, pp, v, kind, tied, m):
-    check_pipeline_parity(tp, pp, v, kind, tied, m, post_ahead=True)
+@EMULATE
+def test_receives_posted_ahead_match_single_rank(tp, pp, v, kind, tied, m, emulate):
+    check_pipeline_parity(tp, pp, v, kind, tied, m, post_ahead=True, emulate=emulate)
 
 
 def check_pipeline_parity(
-    tp: int, pp: int, v: int, kind: str, tied: bool, m: int, post_ahead: bool = False
+    tp: int,
+    pp: int,
+    v: int,
+    kind: str,
+    tied: bool,
+    m: int,
+    post_ahead: bool = False,
+    emulate: bool = False,
 ) -> None:
     """Three steps of `kind` at this layout match one rank; stashing as the simulator says.
-    post_ahead: receives posted one unit early (--overlap-p2p-communication, the default)."""
+    post_ahead: receives posted one unit early (--overlap-p2p-communication, the default).
+    emulate: transfers in NCCL's order (--emulate-nccl-p2p-order)."""
     results = run_distributed(
-        _pipeline_parity, tp * pp, tp, pp, v, kind, tied, m, 3, post_ahead=post_ahead
+        _pipeline_parity,
+        tp * pp,
+        tp,
+        pp,
+        v,
+        kind,
+        tied,
+        m,
+        3,
+        post_ahead=post_ahead,
+        emulate=emulate,
     )
     for r in results:
         assert r["loss"] < TOLERANCE and r["norm"] < TOLERANCE and r["grads"] < TOLERANCE, r
@@ -195,9 +221,10 @@ def check_pipeline_parity(
             assert torch.equal(first[0], last[0])
 
 
-def test_sequence_parallel_pipeline_matches_single_rank():
+@EMULATE
+def test_sequence_parallel_pipeline_matches_single_rank(emulate):
     results = run_distributed(
-        _pipeline_parity, 4, 2, 2, 1, "1f1b", True, 4, 2, sequence_parallel=True
+        _pipeline_parity, 4, 2, 2, 1, "1f1b", True, 4, 2, sequence_parallel=True, emulate=emulate
     )
     for r in results:
         assert r["loss"] < TOLERANCE and r["norm"] < TOLERANCE and r["grads"] < TOLERANCE, r
@@ -216,10 +243,11 @@ def test_skipping_the_tied_embedding_all_reduce_fails_parity():
     assert not torch.equal(first["shared"][0], last["shared"][0])
 
 
-def test_every_stage_reads_each_micro_batch_once_when_masks_need_it():
+@EMULATE
+def test_every_stage_reads_each_micro_batch_once_when_masks_need_it(emulate):
     """--reset-attention-mask: every chunk needs the batch; a rank still reads it once."""
     results = run_distributed(_pipeline_parity, 2, 1, 2, 2, "interleaved-1f1b", True, 4, 1,
-                              every_stage=True)  # fmt: skip
+                              every_stage=True, emulate=emulate)  # fmt: skip
     for r in results:
         assert r["loss"] < TOLERANCE and r["grads"] < TOLERANCE, r
         assert sorted(r["reads"]) == [(0, i) for i in range(4)]

@@ -24,7 +24,14 @@ from megapipe.pipeline.partition import partition_layers
 from megapipe.pipeline.schedules import build_schedule
 from megapipe.testing import run_distributed, train_with_flags
 from tests.test_parity_dp import BASE
-from tests.test_parity_pp import MICRO_BATCH, SEED, check_pipeline_parity, config_for, micro_batch
+from tests.test_parity_pp import (
+    EMULATE,
+    MICRO_BATCH,
+    SEED,
+    check_pipeline_parity,
+    config_for,
+    micro_batch,
+)
 
 # Within the 60 s of CI these tests may take; (1, 4, 1, zero-bubble-h1, untied, 6) and
 # (1, 4, 2, interleaved-zero-bubble, untied, 4) pass too (8 s and 19 s more).
@@ -36,14 +43,16 @@ LAYOUTS = [  # tp, pp, v, schedule, tied, micro-batches
 ]
 
 
+@EMULATE
 @pytest.mark.parametrize("tp,pp,v,kind,tied,m", LAYOUTS)
-def test_zero_bubble_pipeline_matches_single_rank(tp, pp, v, kind, tied, m):
-    check_pipeline_parity(tp, pp, v, kind, tied, m)
+def test_zero_bubble_pipeline_matches_single_rank(tp, pp, v, kind, tied, m, emulate):
+    check_pipeline_parity(tp, pp, v, kind, tied, m, emulate=emulate)
 
 
+@EMULATE
 @pytest.mark.parametrize("kind,v", [("zero-bubble-h1", 1), ("interleaved-zero-bubble", 2)])
-def test_zero_bubble_with_receives_posted_ahead_matches_single_rank(kind, v):
-    check_pipeline_parity(1, 2, v, kind, True, 4, post_ahead=True)
+def test_zero_bubble_with_receives_posted_ahead_matches_single_rank(kind, v, emulate):
+    check_pipeline_parity(1, 2, v, kind, True, 4, post_ahead=True, emulate=emulate)
 
 
 def _train(rank: int, world_size: int, extra: list[str]):
@@ -61,6 +70,7 @@ STACK = {
             "2",
             "--pipeline-schedule",
             "zero-bubble-h1",
+            "--emulate-nccl-p2p-order",  # the p2p transfers in NCCL's order, as on GPUs
         ],
     ),
 }  # fmt: skip  (interleaved-zero-bubble at PP2 x VP2 x DP2 passes too: 20 s more)

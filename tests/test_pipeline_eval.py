@@ -82,8 +82,8 @@ class _Recording(torch.nn.Module):
         return self.model(**kwargs)
 
 
-def _evaluate(rank: int, world: int, tp: int, pp: int, v: int) -> dict:
-    configs = parse_args(_flags(tp, pp, v), world)
+def _evaluate(rank: int, world: int, tp: int, pp: int, v: int, emulate: bool) -> dict:
+    configs = parse_args(_flags(tp, pp, v) + ["--emulate-nccl-p2p-order"] * emulate, world)
     state = ParallelState.build(tp, pp)
     chunks = build_model_chunks_for(configs, state)
     optimizer = build_optimizer(chunks, configs, state)
@@ -124,8 +124,9 @@ def _evaluate(rank: int, world: int, tp: int, pp: int, v: int) -> dict:
 @pytest.mark.parametrize(
     "tp,pp,v", [(1, 2, 1), (1, 2, 2), (2, 2, 1)], ids=["pp2", "pp2-v2", "tp2xpp2"]
 )
-def test_forward_only_matches_one_rank_and_touches_no_gradient(tp, pp, v):
-    results = run_distributed(_evaluate, tp * pp, tp, pp, v)
+@pytest.mark.parametrize("emulate", [False, True], ids=["gloo", "nccl-order"])
+def test_forward_only_matches_one_rank_and_touches_no_gradient(tp, pp, v, emulate):
+    results = run_distributed(_evaluate, tp * pp, tp, pp, v, emulate)
     reference = _reference_losses(parse_args(_flags(1, 1, 1), 1), EVAL_M)
     sim = simulate_kind("forward-only", pp, v, EVAL_M)
     for rank, r in enumerate(results):

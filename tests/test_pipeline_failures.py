@@ -10,6 +10,7 @@ first stage times out on its first send and the second stage on its first receiv
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -55,7 +56,7 @@ def _executor(state: ParallelState) -> PipelineExecutor:
         build_schedule("1f1b", 2, 1, M, state.pp_rank),
         num_microbatches=M,
         activation_shape=activation_shape(CONFIG, 2, 1, False),
-        comm=P2PCommunicator(state.pp, timeout_s=TIMEOUT_S),
+        comm=P2PCommunicator(state, timeout_s=TIMEOUT_S),
     )
 
 
@@ -93,3 +94,39 @@ def test_a_silent_peer_times_out_with_its_name(watcher, peer_stops_at, expected)
     assert expected in message, message
     assert f"after {TIMEOUT_S:.0f} s" in message
     assert TIMEOUT_S - 0.1 <= elapsed < TIMEOUT_S + 1.0  # within the timeout, not the harness's
+
+
+def _one_group_run(rank: int, world_size: int, emulate: bool):
+    """1F1B with receives posted ahead, every transfer over the one pipeline group (how megapipe
+    posted before each direction had a group of its own): fine on gloo, a hang under NCCL's
+    ordering."""
+    state = ParallelState.build(1, 2)
+    one_group = dataclasses.replace(state, pp_links=dict.fromkeys(state.pp_links, state.pp))
+    chunks = build_model_chunks(
+        CONFIG, one_group, RNGTracker(1, 0, state.pp_rank), partition_layers(CONFIG, 2, 1), seed=1
+    )
+    executor = PipelineExecutor(
+        chunks,
+        one_group,
+        build_schedule("1f1b", 2, 1, M, state.pp_rank, post_ahead=True),
+        num_microbatches=M,
+        activation_shape=activation_shape(CONFIG, 2, 1, False),
+        comm=P2PCommunicator(one_group, timeout_s=TIMEOUT_S, emulate_nccl_order=emulate),
+    )
+    start = time.monotonic()
+    try:
+        executor.run(lambda i: _batch(i, None))
+    except PipelineCommError as error:
+        return str(error), time.monotonic() - start
+    return "no error", time.monotonic() - start
+
+
+def test_nccl_order_emulation_hangs_where_gpus_would_and_names_the_peer() -> None:
+    # gloo completes the transfers independently: the step runs
+    assert [message for message, _ in run_distributed(_one_group_run, 2, False)] == ["no error"] * 2
+    # emulated, rank 0's receive of B0's gradient, posted ahead with its send of F0, holds back
+    # its send of F1 on the one stream; rank 1 needs F1 before it sends that gradient
+    (first, elapsed), (second, _) = run_distributed(_one_group_run, 2, True, timeout=30)
+    assert "receive from pipeline rank 1 (global rank 1) of B0.0" in first, first
+    assert "receive from pipeline rank 0 (global rank 0) of F1.0" in second, second
+    assert TIMEOUT_S - 0.1 <= elapsed < TIMEOUT_S + 1.0

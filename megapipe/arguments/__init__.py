@@ -144,6 +144,7 @@ def parse_args(argv: Sequence[str] | None, world_size: int) -> Configs:
         decoder_last_pipeline_num_layers=args.decoder_last_pipeline_num_layers,
         pipeline_p2p_timeout=args.pipeline_p2p_timeout,
         pipeline_receives_ahead=args.overlap_p2p_communication,
+        emulate_nccl_p2p_order=args.emulate_nccl_p2p_order,
         pipeline_trace=args.pipeline_trace,
         sequence_parallel=args.sequence_parallel,
         tp_comm_overlap=args.tp_comm_overlap,

@@ -87,7 +87,16 @@ def add_distributed_args(group: argparse._ArgumentGroup) -> None:
         default=True,
         help="Post each pipeline receive one compute unit early, so that the transfer overlaps "
         "that unit's compute (the default: faster in 6 of 8 measured schedule pairs, see "
-        "benchmarks/RESULTS.md).",
+        "benchmarks/RESULTS.md). Safe under NCCL's ordering: each direction between two "
+        "stages has a process group (and so an NCCL stream) of its own.",
+    )
+    group.add_argument(
+        "--emulate-nccl-p2p-order",
+        action="store_true",
+        help="Debugging, gloo only: run the pipeline's transfers as NCCL does, each process "
+        "group's in posting order (a receive posted early holds back that group's later "
+        "transfers), so that an order that would hang on GPUs hangs (and times out naming "
+        "the peer) on the CPU too. Slower; off by default.",
     )
     group.add_argument(
         "--no-overlap-p2p-communication",

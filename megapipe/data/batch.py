@@ -7,6 +7,16 @@ from dataclasses import dataclass
 import torch
 
 
+def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """`tensor` on `device`, without stalling the host: a host tensor bound for a GPU is pinned
+    and copied with non_blocking (a pageable copy waits for the GPU, then for the copy);
+    elsewhere a plain `.to`."""
+    device = torch.device(device)
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
 @dataclass(frozen=True)
 class TrainingBatch:
     """Inputs and targets of one micro-batch, all [micro_batch, seq_length].
@@ -23,8 +33,8 @@ class TrainingBatch:
     attention_mask: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> TrainingBatch:
-        """This batch with every tensor moved to `device`."""
-        move = lambda t: None if t is None else t.to(device)
+        """This batch with every tensor moved to `device` (see `to_device`)."""
+        move = lambda t: None if t is None else to_device(t, device)
         return TrainingBatch(
             move(self.tokens),
             move(self.labels),

@@ -14,7 +14,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from megapipe.data.batch import TrainingBatch
+from megapipe.data.batch import TrainingBatch, to_device
 from megapipe.data.errors import DataError
 from megapipe.data.masks import MaskOptions, attention_mask, loss_mask, position_ids
 
@@ -57,9 +57,12 @@ class GPTBatchSource:
             )
         return tokens
 
-    def batch(self, indices: range) -> TrainingBatch:
+    def batch(self, indices: range, device: torch.device | str = "cpu") -> TrainingBatch:
+        """The samples `indices` on `device`: tokens and labels copied there (`to_device`), the
+        masks and positions built there from the tokens (no [b, 1, s, s] host mask to copy)."""
         text = self.samples(indices)
-        tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()
+        tokens = to_device(text[:, :-1].contiguous(), device)
+        labels = to_device(text[:, 1:].contiguous(), device)
         options = self.masks
         positions = position_ids(tokens, options) if options.reset_position_ids else None
         mask = attention_mask(tokens, options) if options.reset_attention_mask else None

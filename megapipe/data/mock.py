@@ -13,7 +13,7 @@ import hashlib
 
 import torch
 
-from megapipe.data.batch import TrainingBatch
+from megapipe.data.batch import TrainingBatch, to_device
 
 
 def sample_seed(seed: int, index: int, split: str = "train") -> int:
@@ -47,11 +47,12 @@ class MockGPTDataset:
         start = torch.randint(self.vocab_size, (), generator=generator)
         return (start + torch.arange(self.seq_length + 1)) % self.vocab_size
 
-    def batch(self, indices: range) -> TrainingBatch:
-        """The samples `indices`, split into inputs `[:-1]` and next-token labels `[1:]`."""
+    def batch(self, indices: range, device: torch.device | str = "cpu") -> TrainingBatch:
+        """The samples `indices`, split into inputs `[:-1]` and next-token labels `[1:]`, on
+        `device` (the loss mask built there)."""
         tokens = torch.stack([self.sample(i) for i in indices])
         return TrainingBatch(
-            tokens=tokens[:, :-1].contiguous(),
-            labels=tokens[:, 1:].contiguous(),
-            loss_mask=torch.ones(len(indices), self.seq_length, dtype=torch.float32),
+            tokens=to_device(tokens[:, :-1].contiguous(), device),
+            labels=to_device(tokens[:, 1:].contiguous(), device),
+            loss_mask=torch.ones(len(indices), self.seq_length, device=device),
         )

@@ -7,7 +7,9 @@ adjacent (one node, NVLink); pipeline stages are outermost.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -69,6 +71,44 @@ def rank_layout(world_size: int, tp: int, pp: int) -> dict[str, list[list[int]]]
     return groups
 
 
+PipelineLink = tuple[str, int, int]  # (phase "F" or "B", sending pp rank, receiving pp rank)
+
+
+def pipeline_links(pp_ranks: list[int]) -> dict[PipelineLink, tuple[int, ...]]:
+    """Every directed link between neighbouring stages of one pipeline group -> its two global
+    ranks, sorted as torch numbers a group's members.
+
+    Activations ("F") go from pp rank i to i + 1 and gradients ("B") back, with the wrap-around
+    from the last rank to the first that interleaved schedules use. Each link becomes a process
+    group of its own so that on NCCL (one stream per group, transfers in posting order) every
+    stream carries data one way between two ranks: see `megapipe.pipeline.schedules.p2p_link`.
+    """
+    p = len(pp_ranks)
+    links: dict[PipelineLink, tuple[int, ...]] = {}
+    for i in range(p if p > 1 else 0):
+        j = (i + 1) % p
+        pair = tuple(sorted((pp_ranks[i], pp_ranks[j])))
+        links[("F", i, j)] = links[("B", j, i)] = pair
+    return links
+
+
+def new_link_groups(
+    pp_ranks: list[int], me: int, timeout: timedelta | None
+) -> dict[PipelineLink, Group]:
+    """Create a process group per link of one pipeline group; return those `me` belongs to.
+
+    Collective over the world: every rank calls it for every pipeline group, in the same order.
+    (Not with torch's members-only `use_local_synchronization`: it names a group by its ranks,
+    so the two links between the same two ranks would share one name and store prefix.)
+    """
+    mine: dict[PipelineLink, Group] = {}
+    for link, pair in pipeline_links(pp_ranks).items():
+        pg = dist.new_group(list(pair), timeout=timeout)
+        if me in pair:
+            mine[link] = Group(pair, pair.index(me), pg)
+    return mine
+
+
 @dataclass(frozen=True)
 class ParallelState:
     """This rank's place in the TP x DP x PP cube and the groups it communicates over."""
@@ -82,6 +122,8 @@ class ParallelState:
     model_parallel: Group
     embedding: Group | None  # None on middle pipeline stages, which hold no embedding
     device: torch.device
+    # this rank's pipeline links (`pipeline_links`), each its own group: what p2p runs over
+    pp_links: Mapping[PipelineLink, Group] = field(default_factory=dict)
 
     @property
     def tp_rank(self) -> int:
@@ -137,9 +179,12 @@ class ParallelState:
                 pg = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
                 if me in ranks:
                     mine[kind] = Group(tuple(ranks), ranks.index(me), pg)
+        links: dict[PipelineLink, Group] = {}
+        for ranks in layout["pp"]:
+            links.update(new_link_groups(ranks, me, timeout))
         if device is None:
             device = torch.device("cpu")
-        return cls(world, me, device=torch.device(device), **mine)
+        return cls(world, me, device=torch.device(device), pp_links=links, **mine)
 
     def describe(self) -> str:
         return (

@@ -34,7 +34,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch.autograd.variable import Variable
 
 from megapipe.data.batch import TrainingBatch
@@ -42,12 +41,12 @@ from megapipe.layers.cross_entropy import masked_mean
 from megapipe.layers.weight_grad import WeightGradStore
 from megapipe.model.gpt import GPTModel
 from megapipe.parallel.state import ParallelState
-from megapipe.pipeline.p2p import P2PCommunicator
+from megapipe.pipeline.p2p import P2PCommunicator, Posted
 from megapipe.pipeline.schedules import P2P, Action, Comm, Compute, build_schedule
 from megapipe.pipeline.trace import TraceRecorder
 
 Key = tuple[int, int]  # (microbatch, local chunk)
-Transfer = tuple[P2P, torch.Tensor, Callable[[], None] | None]
+Transfer = tuple[P2P, torch.Tensor]
 BufferSpec = Callable[[P2P], tuple[tuple[int, ...], torch.dtype]]
 
 
@@ -83,7 +82,7 @@ class _Step:
     inputs: dict[Key, torch.Tensor] = field(default_factory=dict)
     outputs: dict[Key, torch.Tensor] = field(default_factory=dict)
     output_grads: dict[Key, torch.Tensor] = field(default_factory=dict)
-    receives: dict[tuple[str, int, int], tuple[P2P, dist.Work]] = field(default_factory=dict)
+    receives: dict[tuple[str, int, int], Posted] = field(default_factory=dict)
     batches: dict[int, list] = field(default_factory=dict)  # micro-batch -> [batch, readers left]
     awaiting_w: list[Key] = field(default_factory=list)  # B done, W not yet, in B order
     losses: list[torch.Tensor] = field(default_factory=list)
@@ -119,7 +118,7 @@ class PipelineExecutor:
         self.num_microbatches = num_microbatches
         self.activation_shape = activation_shape
         self.dtype = dtype
-        self.comm = comm or P2PCommunicator(state.pp)
+        self.comm = comm or P2PCommunicator(state)
         phases = {a.phase for a in actions if isinstance(a, Compute)}
         self.forward_only = "B" not in phases
         self.post_ahead = post_ahead
@@ -189,8 +188,8 @@ class PipelineExecutor:
                     self._compute[action.phase](step, action)
                 if trace is not None:
                     trace.record(action, start, time.perf_counter())
-            for op, work in step.receives.values():  # none in a valid schedule; never leave one
-                self.comm.wait(op, work)
+            for posted in step.receives.values():  # none in a valid schedule; never leave one
+                self.comm.wait(posted)
             self.comm.drain()
         queued = sum(store.pending_units for store in self.weight_grad_stores)
         if step.outputs or step.output_grads or queued:
@@ -276,7 +275,7 @@ class PipelineExecutor:
         self.freed_outputs += _free_data(tensor)
 
     def _transfer(self, step: _Step, op: P2P) -> Transfer:
-        """The tensor `op` sends or receives into, and what to do once a send has completed."""
+        """The tensor `op` sends or receives into."""
         key = (op.microbatch, op.chunk)
         if op.op == "recv":
             shape, dtype = (
@@ -287,19 +286,20 @@ class PipelineExecutor:
                 step.output_grads[key] = buffer
             else:
                 step.inputs[key] = buffer if self.forward_only else buffer.requires_grad_()
-            return op, buffer, None
+            return op, buffer
         if op.phase == "B":
-            return op, step.inputs.pop(key).grad, None
-        if self.forward_only:  # released now: the communicator holds it until the send is done
-            return op, step.outputs.pop(key), None
-        out = step.outputs[key]
-        return op, out.detach(), lambda: self._free(out)
+            return op, step.inputs.pop(key).grad
+        if self.forward_only:  # released now: the transport holds it until the send is done
+            return op, step.outputs.pop(key)
+        return op, step.outputs[key].detach()
 
     def _post(self, step: _Step, comm: Comm) -> None:
         posted = self.comm.post([self._transfer(step, op) for op in comm.ops])
-        step.receives.update(
-            {(op.phase, op.microbatch, op.chunk): (op, w) for op, w in posted.items()}
-        )
+        step.receives.update({(op.phase, op.microbatch, op.chunk): w for op, w in posted.items()})
+        if not self.forward_only:  # the transport keeps a sent output's storage until it is done
+            for op in comm.ops:
+                if op.op == "send" and op.phase == "F":
+                    self._free(step.outputs[(op.microbatch, op.chunk)])
 
     def _await_input(self, step: _Step, compute: Compute) -> None:
         """Wait for the receive `compute` needs, if any: a unit's forward runs while the
@@ -307,6 +307,6 @@ class PipelineExecutor:
         posted = step.receives.pop((compute.phase, compute.microbatch, compute.chunk), None)
         if posted is not None:
             start = time.perf_counter()
-            self.comm.wait(*posted)
+            self.comm.wait(posted)
             if step.trace is not None:
-                step.trace.record(Comm((posted[0],)), start, time.perf_counter())
+                step.trace.record(Comm((posted.op,)), start, time.perf_counter())

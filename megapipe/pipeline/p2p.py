@@ -1,26 +1,43 @@
-"""Point-to-point transfers between pipeline stages: one batch_isend_irecv per `Comm` action.
+"""Point-to-point transfers between pipeline stages: each `Comm` action posted per link.
 
-Each receive is waited on just before the compute that needs it; sends are left in flight and
-waited on once the next batch is posted (posting first, so that a receive the peer's send
-waits for is never held back behind this rank's own wait), so a rank computes while its
-activations travel.
+Every transfer travels over the process group of its link (`schedules.p2p_link`: one group per
+direction between two neighbouring stages), one `batch_isend_irecv` per link and batch. How a
+posted transfer is waited for depends on the transport:
+
+- **gloo** (CPU): each receive is waited on, with a timeout, just before the compute that needs
+  it; sends are left in flight and waited on once the next batch is posted (posting first, so
+  that a receive the peer's send waits for is never held back behind this rank's own wait).
+- **NCCL** (GPU): waits are stream waits (`work.wait()` without a timeout makes the compute
+  stream wait for the transfer; the host goes on), and sends are never waited for: NCCL keeps
+  their tensors alive until they are done. No host stall per transfer; the process group's
+  timeout and its watchdog bound a hang instead of a host-side timeout.
+- **NCCL's ordering emulated on gloo** (`emulate_nccl_order`, `--emulate-nccl-p2p-order`, a
+  debugging mode): NCCL runs a group's transfers on one stream in posting order, which gloo
+  does not; here each link gets a worker thread that posts its batches one after the other,
+  each once the one before it has completed, as the NCCL stream would. The host waits only
+  for a compute's input and at the end of the step, as on the GPU. A schedule that would hang
+  on NCCL hangs here too (and times out naming the peer), where plain gloo would pass.
+
 Shapes are known from the config, so there is no per-micro-batch shape handshake. A receive
 that does not complete within the timeout raises an error naming the peer, instead of leaving
-the rank waiting forever for a stage that died.
+the rank waiting forever for a stage that died. A sent output may be let go of as soon as it is
+posted: the transport holds its storage until the transfer is done.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import queue
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from megapipe.activity import Activity
-from megapipe.parallel.state import Group
-from megapipe.pipeline.schedules import P2P
+from megapipe.parallel.state import Group, ParallelState, PipelineLink
+from megapipe.pipeline.schedules import P2P, p2p_link
 
 
 class PipelineCommError(RuntimeError):
@@ -28,23 +45,93 @@ class PipelineCommError(RuntimeError):
 
 
 @dataclass
-class PendingSend:
-    """A send still in flight, and what to do once its buffer may be reused."""
+class Posted:
+    """One transfer handed to the transport; waited for at most once (a second wait on a gloo
+    work that already finished would time out)."""
 
-    work: dist.Work
     op: P2P
-    on_done: Callable[[], None] | None = None
+    work: dist.Work | _StreamBatch
+    waited: bool = False
+
+
+@dataclass
+class _StreamBatch:
+    """One link's share of a batch in the emulated NCCL stream: done when all its transfers are."""
+
+    ops: list[dist.P2POp]
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+    def wait(self, timeout: timedelta) -> None:
+        if not self.done.wait(timeout.total_seconds()):
+            raise RuntimeError("the emulated NCCL stream did not reach or finish this transfer")
+        if self.error is not None:
+            raise RuntimeError(str(self.error)) from self.error
+
+
+class _EmulatedStream:
+    """NCCL's rule for one process group, on gloo: batches run one at a time, in posting order.
+
+    A daemon thread posts each batch once the one before it has completed, and waits for it;
+    after a failure (a timeout) every later batch fails too, as a broken NCCL communicator would.
+    """
+
+    def __init__(self, timeout: timedelta) -> None:
+        self.timeout = timeout
+        self._queue: queue.SimpleQueue[_StreamBatch] = queue.SimpleQueue()
+        self._failed: BaseException | None = None
+        threading.Thread(target=self._run, daemon=True, name="emulated-nccl-stream").start()
+
+    def submit(self, ops: list[dist.P2POp]) -> _StreamBatch:
+        batch = _StreamBatch(ops)
+        self._queue.put(batch)
+        return batch
+
+    def _run(self) -> None:
+        while True:
+            batch = self._queue.get()
+            try:
+                if self._failed is not None:
+                    raise RuntimeError(f"an earlier transfer on this stream failed: {self._failed}")
+                for work in dist.batch_isend_irecv(batch.ops):
+                    work.wait(self.timeout)
+                batch.ops = []  # let go of the tensors, as NCCL does once a transfer is done
+            except BaseException as error:  # reported to whoever waits for this batch
+                batch.error = self._failed = self._failed or error
+            batch.done.set()
+
+
+def _succeeded(work: dist.Work | _StreamBatch) -> bool:
+    return isinstance(work, _StreamBatch) and work.done.is_set() and work.error is None
+
+
+def waits_block_host(pg: dist.ProcessGroup | None) -> bool:
+    """Whether waiting for a transfer of `pg` must block the host (gloo) or can be a stream wait
+    that bounds no time itself (NCCL: the process group's timeout and watchdog do)."""
+    return pg is None or dist.get_backend(pg) != "nccl"
 
 
 class P2PCommunicator:
-    """Posts a schedule's transfer batches over the pipeline group of one rank."""
+    """Posts a schedule's transfer batches over the pipeline links of one rank."""
 
     def __init__(
-        self, group: Group, timeout_s: float = 300.0, activity: Activity | None = None
+        self,
+        state: ParallelState,
+        timeout_s: float = 300.0,
+        activity: Activity | None = None,
+        *,
+        emulate_nccl_order: bool = False,
     ) -> None:
-        self.group = group
+        self.group = state.pp
+        self.links: Mapping[PipelineLink, Group] = state.pp_links
         self.timeout = timedelta(seconds=timeout_s)
-        self._in_flight: list[PendingSend] = []
+        self.emulate_nccl_order = emulate_nccl_order
+        self._streams: dict[Group, _EmulatedStream] = {}  # one per process group, as NCCL's
+        any_pg = next((g.pg for g in self.links.values()), None)
+        self._host_waits = waits_block_host(any_pg)
+        if emulate_nccl_order and not self._host_waits:
+            raise ValueError("--emulate-nccl-p2p-order emulates NCCL on gloo; this run is NCCL")
+        self._in_flight: list[Posted] = []  # sends, waited for later (gloo only)
         # what this rank waits in, for the watchdog and for errors (shared by the executors
         # that use this communicator, which also record their computes in it)
         self.activity = activity or Activity()
@@ -52,7 +139,11 @@ class P2PCommunicator:
     def _peer(self, op: P2P) -> int:
         return self.group.ranks[op.peer]
 
-    def _wait(self, work: dist.Work, op: P2P) -> None:
+    def _wait(self, posted: Posted) -> None:
+        if posted.waited:
+            return
+        posted.waited = True
+        op = posted.op
         what = "receive from" if op.op == "recv" else "send to"
         self.activity.enter(
             op.op,
@@ -65,7 +156,10 @@ class P2PCommunicator:
             op.chunk,
         )
         try:
-            work.wait(self.timeout)
+            if self._host_waits:
+                posted.work.wait(self.timeout)
+            else:  # NCCL: the compute stream waits; the host goes on
+                posted.work.wait()
         except RuntimeError as error:
             raise PipelineCommError(
                 f"pipeline rank {self.group.rank}: {what} pipeline rank {op.peer} (global rank "
@@ -73,46 +167,53 @@ class P2PCommunicator:
                 f"after {self.timeout.total_seconds():.0f} s: {error}"
             ) from error
 
-    def post(
-        self, transfers: list[tuple[P2P, torch.Tensor, Callable[[], None] | None]]
-    ) -> dict[P2P, dist.Work]:
-        """Post one batch, in the schedule's order; return the receives, still in flight.
+    def post(self, transfers: list[tuple[P2P, torch.Tensor]]) -> dict[P2P, Posted]:
+        """Post one batch, in the schedule's order, one call per process group (link); return
+        the receives, still in flight, for `wait` just before the compute that needs each.
 
-        transfers: (op, tensor, callback) with the callback run once a send's buffer is free.
-        The caller waits for each receive (`wait`) just before the compute that needs it, so a
-        forward can run while the gradient for the backward after it is still on its way.
-        The sends of earlier batches are waited for after this one is posted.
+        On gloo the sends of earlier batches are waited for after this one is posted.
         """
         earlier, self._in_flight = self._in_flight, []
-        p2p_ops = [
-            dist.P2POp(
-                dist.isend if op.op == "send" else dist.irecv, tensor, self._peer(op), self.group.pg
-            )
-            for op, tensor, _ in transfers
-        ]
-        works = dist.batch_isend_irecv(p2p_ops)
-        if len(works) != len(transfers):  # a coalescing backend (NCCL): one work for the batch
-            works = works[-1:] * len(transfers)
+        by_group: dict[Group, list[tuple[P2P, torch.Tensor]]] = {}
+        for op, tensor in transfers:
+            group = self.links[p2p_link(self.group.rank, op)]
+            by_group.setdefault(group, []).append((op, tensor))
         receives = {}
-        for (op, _, on_done), work in zip(transfers, works):
-            if op.op == "recv":
-                receives[op] = work
+        for group, ops in by_group.items():
+            p2p_ops = [
+                dist.P2POp(
+                    dist.isend if op.op == "send" else dist.irecv, tensor, self._peer(op), group.pg
+                )
+                for op, tensor in ops
+            ]
+            if self.emulate_nccl_order:
+                stream = self._streams.get(group)
+                if stream is None:
+                    stream = self._streams[group] = _EmulatedStream(self.timeout)
+                works: list = [stream.submit(p2p_ops)] * len(ops)
             else:
-                self._in_flight.append(PendingSend(work, op, on_done))
-        self._complete(earlier)
+                works = dist.batch_isend_irecv(p2p_ops)
+                if len(works) != len(ops):  # a coalescing backend (NCCL): one work for the batch
+                    works = works[-1:] * len(ops)
+            for (op, _), work in zip(ops, works):
+                posted = Posted(op, work)
+                if op.op == "recv":
+                    receives[op] = posted
+                elif self._host_waits:
+                    self._in_flight.append(posted)
+        if self.emulate_nccl_order:  # the streams retire sends; keep those not yet done or failed
+            self._in_flight[:0] = [s for s in earlier if not _succeeded(s.work)]
+        else:
+            for send in earlier:
+                self._wait(send)
         return receives
 
-    def wait(self, op: P2P, work: dist.Work) -> None:
-        """Wait for one posted receive; PipelineCommError naming the peer if it times out."""
-        self._wait(work, op)
+    def wait(self, posted: Posted) -> None:
+        """Wait for one posted receive (once); PipelineCommError naming the peer on a timeout."""
+        self._wait(posted)
 
     def drain(self) -> None:
-        """Wait for every send still in flight, then run its completion callback."""
+        """Wait for every send still in flight (gloo; the emulation's streams run dry too)."""
         pending, self._in_flight = self._in_flight, []
-        self._complete(pending)
-
-    def _complete(self, pending: list[PendingSend]) -> None:
         for send in pending:
-            self._wait(send.work, send.op)
-            if send.on_done is not None:
-                send.on_done()
+            self._wait(send)

@@ -217,6 +217,22 @@ def transfer_key(op: P2P, rank: int, p: int) -> tuple[str, int, int, int]:
     return op.phase, op.microbatch, src, dst
 
 
+Link = tuple[str, int, int]
+
+
+def p2p_link(rank: int, op: P2P) -> Link:
+    """The link `op` of pipeline rank `rank` travels over: (phase, sending rank, receiving rank).
+
+    Each link is a process group of its own (`ParallelState.pp_links`), so on NCCL, which runs
+    a group's transfers on one stream in posting order, every stream carries data one way
+    between two ranks: a receive posted ahead holds back only later receives from the same
+    peer in the same direction, which FIFO matching orders after it anyway, and never a send.
+    One group for all transfers (or one per pair of ranks) deadlocks with receives posted
+    ahead; the simulator shows it (`simulate(..., ordering="nccl", channel=...)`).
+    """
+    return (op.phase, rank, op.peer) if op.op == "send" else (op.phase, op.peer, rank)
+
+
 def _neighbours(step: Compute, rank: int, p: int, v: int) -> tuple[P2P | None, P2P | None]:
     """(what `step` must receive first, what it must send afterwards), or None at the ends
     (and for W, which only needs what its own B left behind)."""

@@ -24,6 +24,7 @@ from megapipe.data.batch import TrainingBatch
 from megapipe.data.sampler import micro_batch_range
 from megapipe.distributed import finalize_model_grads
 from megapipe.distributed.optimizer import NonFiniteGradient, ShardedOptimizer
+from megapipe.model.te_layers import start_microbatches
 from megapipe.parallel.state import ParallelState
 from megapipe.pipeline.executor import PipelineExecutor
 from megapipe.pipeline.trace import TraceRecorder
@@ -32,7 +33,7 @@ from megapipe.pipeline.trace import TraceRecorder
 class BatchSource(Protocol):
     """Anything that turns global sample indices into a batch (mock or indexed datasets)."""
 
-    def batch(self, indices: range) -> TrainingBatch: ...
+    def batch(self, indices: range, device: torch.device | str = "cpu") -> TrainingBatch: ...
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,27 @@ class SpikyLossError(NumericalFaultError):
     """--exit-on-spiky-loss: the loss jumped far above its running mean."""
 
 
+class ReadAhead:
+    """Reads micro-batch i + 1 when micro-batch i is asked for, so that on a GPU its host work
+    and its (pinned, non-blocking) copy are issued before micro-batch i's compute and overlap
+    it rather than stall the step between micro-batches. Each micro-batch is read once; asked
+    for in any order, it still returns each one's own batch."""
+
+    def __init__(self, read: Callable[[int], TrainingBatch], num_microbatches: int) -> None:
+        self._read = read
+        self._count = num_microbatches
+        self._ahead: dict[int, TrainingBatch] = {}
+
+    def __call__(self, microbatch: int) -> TrainingBatch:
+        batch = self._ahead.pop(microbatch, None)
+        if batch is None:
+            batch = self._read(microbatch)
+        following = microbatch + 1
+        if following < self._count and following not in self._ahead:
+            self._ahead[following] = self._read(following)
+        return batch
+
+
 @dataclass(frozen=True)
 class GlobalBatch:
     """Which samples one step reads: [first_sample, first_sample + size) of the split, of
@@ -91,8 +113,10 @@ class GlobalBatch:
         )
 
     def reader(self, data: BatchSource) -> Callable[[int], TrainingBatch]:
-        """micro-batch index -> that micro-batch's batch, on this rank's device."""
-        return lambda micro_batch: data.batch(self.indices(micro_batch)).to(self.state.device)
+        """micro-batch index -> that micro-batch's batch, on this rank's device, read one
+        micro-batch ahead (`ReadAhead`)."""
+        device = self.state.device
+        return ReadAhead(lambda i: data.batch(self.indices(i), device), self.num_microbatches)
 
     def sample_ids(self, micro_batch: int) -> torch.Tensor:
         """Global sample indices of a micro-batch: what keys the layout-invariant dropout."""
@@ -117,6 +141,7 @@ def train_step(
     """
     scaler = optimizer.scaler
     optimizer.overlap_param_gather_with(chunks)  # --overlap-param-gather: once
+    start_microbatches(chunks)  # TE: cast the new weights to fp8 once, on the first micro-batch
     for buffer in optimizer.buffers:
         buffer.expect_microbatches(batch.num_microbatches)
     start = time.perf_counter()

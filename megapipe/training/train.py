@@ -18,7 +18,7 @@ from megapipe.distributed.loss_scaler import make_loss_scaler
 from megapipe.distributed.optimizer import ShardedOptimizer
 from megapipe.layers.linear import set_tp_comm_overlap
 from megapipe.model.activation_memory import SavedTensorPeak
-from megapipe.model.attention_backends import check_attention_backend
+from megapipe.model.attention_backends import check_attention_backend, describe_attention
 from megapipe.model.gpt import GPTModel
 from megapipe.parallel.random import RNGTracker
 from megapipe.parallel.state import ParallelState
@@ -146,7 +146,12 @@ def build_executor(
         num_microbatches=num_microbatches,
         activation_shape=shape,
         dtype=configs.optimizer.params_dtype,
-        comm=P2PCommunicator(state.pp, parallel.pipeline_p2p_timeout, activity),
+        comm=P2PCommunicator(
+            state,
+            parallel.pipeline_p2p_timeout,
+            activity,
+            emulate_nccl_order=parallel.emulate_nccl_p2p_order,
+        ),
         batch_on_every_stage=configs.data.reset_attention_mask,
         post_ahead=parallel.pipeline_receives_ahead,  # and the evaluation's forward-only steps
     )
@@ -283,14 +288,22 @@ def train(
         attention_dropout=configs.model.attention_dropout,
         reset_attention_mask=configs.data.reset_attention_mask,
         head_dim=configs.model.head_dim,
+        dropout_rng=configs.kernels.attention_dropout_rng,
     )
     stage_map = stage_map_for(configs)
-    memory = MemoryModel.of(configs).stages(stage_map) if state.pp.size > 1 else None
+    memory = (
+        MemoryModel.of(configs, state.device.type).stages(stage_map) if state.pp.size > 1 else None
+    )
     if memory is not None:
         print_rank_0(state, stage_map.describe())
         print_rank_0(state, describe_stage_memory(memory))
     chunks = build_model_chunks_for(configs, state, stage_map)
     print_rank_0(state, chunks[0].kernel_choices.describe())
+    print_rank_0(state, describe_attention(
+        configs.kernels.attention_backend, configs.kernels.attention_dropout_rng, state.device,
+        configs.optimizer.params_dtype, attention_dropout=configs.model.attention_dropout,
+        reset_attention_mask=configs.data.reset_attention_mask,
+        softmax=chunks[0].kernel_choices.chosen["masked_softmax"]))  # fmt: skip
     if state.dp.rank == 0:
         count = sum(p.numel() for chunk in chunks for p in chunk.parameters())
         print_line(parameter_count_line(state.tp_rank, state.pp_rank, count))
