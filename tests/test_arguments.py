@@ -218,6 +218,11 @@ def test_nccl_without_cuda() -> None:
     assert_names(error(distributed_backend="nccl"), "--distributed-backend nccl", "CUDA")
 
 
+def test_nccl_order_emulation_is_for_gloo_only() -> None:
+    message = error(distributed_backend="nccl", emulate_nccl_p2p_order=True)
+    assert_names(message, "--emulate-nccl-p2p-order", "nccl", "--distributed-backend gloo")
+
+
 # --- settings Megatron accepts with a warning -------------------------------------------------
 
 

@@ -174,6 +174,11 @@ ELSEWHERE_FLAGS = [
         "which is not available here; use gloo",
         "use --distributed-backend gloo on CPU", "tests/test_arguments.py::test_nccl_without_cuda",
         key="--distributed-backend nccl"),
+    Bad("--emulate-nccl-p2p-order on another backend than gloo", "--emulate-nccl-p2p-order "
+        "emulates NCCL's ordering on gloo; this run's backend is nccl",
+        "drop the flag (NCCL orders its transfers itself), or use --distributed-backend gloo",
+        "tests/test_arguments.py::test_nccl_order_emulation_is_for_gloo_only",
+        key="--emulate-nccl-p2p-order"),
     Bad("--openai-gelu with --swiglu", "--openai-gelu with --swiglu: the SwiGLU MLP has no "
         "GeLU (it uses SiLU)",
         "drop one: SwiGLU has no GeLU", "tests/test_arguments.py::"

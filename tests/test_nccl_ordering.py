@@ -57,7 +57,7 @@ def _simulate(kind, p, v, m, ahead, channel=p2p_link, ordering="nccl", **costs):
 
 @pytest.mark.parametrize("ahead", [False, True], ids=["posted-late", "posted-ahead"])
 def test_every_schedule_completes_under_nccl_ordering_over_its_links(ahead):
-    # 279 (kind, p, v, m) cases, training and evaluation: each raises ScheduleError on a hang
+    # 238 (kind, p, v, m) cases, training and evaluation: each raises ScheduleError on a hang
     for kind, p, v, m in GRID:
         sim = _simulate(kind, p, v, m, ahead)
         gloo = _simulate(kind, p, v, m, ahead, ordering="gloo")

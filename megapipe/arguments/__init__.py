@@ -107,6 +107,11 @@ def parse_args(argv: Sequence[str] | None, world_size: int) -> Configs:
         )
 
     backend = args.distributed_backend or default_backend()
+    if args.emulate_nccl_p2p_order and backend != "gloo":
+        raise ConfigError(
+            f"--emulate-nccl-p2p-order emulates NCCL's ordering on gloo; this run's backend is "
+            f"{backend}, which needs no emulation (drop the flag, or --distributed-backend gloo)"
+        )
     if backend == "nccl" and not torch.cuda.is_available():
         raise ConfigError(
             "--distributed-backend nccl needs CUDA, which is not available here; use gloo"
