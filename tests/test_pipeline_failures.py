@@ -46,18 +46,30 @@ def _batch(microbatch: int, stop_at: int | None) -> TrainingBatch:
     return TrainingBatch(tokens[:, :-1], tokens[:, 1:], torch.ones(2, CONFIG.seq_length))
 
 
-def _executor(state: ParallelState) -> PipelineExecutor:
+def _executor(
+    state: ParallelState, *, post_ahead: bool = False, emulate: bool = False
+) -> PipelineExecutor:
     chunks = build_model_chunks(
         CONFIG, state, RNGTracker(1, 0, state.pp_rank), partition_layers(CONFIG, 2, 1), seed=1
     )
     return PipelineExecutor(
         chunks,
         state,
-        build_schedule("1f1b", 2, 1, M, state.pp_rank),
+        build_schedule("1f1b", 2, 1, M, state.pp_rank, post_ahead=post_ahead),
         num_microbatches=M,
         activation_shape=activation_shape(CONFIG, 2, 1, False),
-        comm=P2PCommunicator(state, timeout_s=TIMEOUT_S),
+        comm=P2PCommunicator(state, timeout_s=TIMEOUT_S, emulate_nccl_order=emulate),
     )
+
+
+def _timed_step(executor: PipelineExecutor) -> tuple[str, float]:
+    """(the PipelineCommError's message or "no error", seconds the step took)."""
+    start = time.monotonic()
+    try:
+        executor.run(lambda i: _batch(i, None))
+    except PipelineCommError as error:
+        return str(error), time.monotonic() - start
+    return "no error", time.monotonic() - start
 
 
 def _run(rank: int, world_size: int, watcher: int, peer_stops_at: int | None):
@@ -70,13 +82,7 @@ def _run(rank: int, world_size: int, watcher: int, peer_stops_at: int | None):
                 executor.run(lambda i: _batch(i, peer_stops_at))
         time.sleep(SILENCE_S)
         return None
-    executor = _executor(state)
-    start = time.monotonic()
-    try:
-        executor.run(lambda i: _batch(i, None))
-    except PipelineCommError as error:
-        return str(error), time.monotonic() - start
-    return "no error", time.monotonic() - start
+    return _timed_step(_executor(state))
 
 
 @pytest.mark.parametrize(
@@ -102,23 +108,7 @@ def _one_group_run(rank: int, world_size: int, emulate: bool):
     ordering."""
     state = ParallelState.build(1, 2)
     one_group = dataclasses.replace(state, pp_links=dict.fromkeys(state.pp_links, state.pp))
-    chunks = build_model_chunks(
-        CONFIG, one_group, RNGTracker(1, 0, state.pp_rank), partition_layers(CONFIG, 2, 1), seed=1
-    )
-    executor = PipelineExecutor(
-        chunks,
-        one_group,
-        build_schedule("1f1b", 2, 1, M, state.pp_rank, post_ahead=True),
-        num_microbatches=M,
-        activation_shape=activation_shape(CONFIG, 2, 1, False),
-        comm=P2PCommunicator(one_group, timeout_s=TIMEOUT_S, emulate_nccl_order=emulate),
-    )
-    start = time.monotonic()
-    try:
-        executor.run(lambda i: _batch(i, None))
-    except PipelineCommError as error:
-        return str(error), time.monotonic() - start
-    return "no error", time.monotonic() - start
+    return _timed_step(_executor(one_group, post_ahead=True, emulate=emulate))
 
 
 def test_nccl_order_emulation_hangs_where_gpus_would_and_names_the_peer() -> None:

@@ -86,7 +86,7 @@ def add_distributed_args(group: argparse._ArgumentGroup) -> None:
         action="store_true",
         default=True,
         help="Post each pipeline receive one compute unit early, so that the transfer overlaps "
-        "that unit's compute (the default: faster in 6 of 8 measured schedule pairs, see "
+        "that unit's compute (the default: faster in 8 of 8 measured schedule pairs, see "
         "benchmarks/RESULTS.md). Safe under NCCL's ordering: each direction between two "
         "stages has a process group (and so an NCCL stream) of its own.",
     )
