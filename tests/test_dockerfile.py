@@ -1,6 +1,6 @@
 """The Dockerfile, read as text (no image is built here): NVIDIA's PyTorch base image, the
 container's torch kept (nothing installs, upgrades or re-resolves torch), megapipe installed
-the way the README says, its other runtime dependencies equal to setup.py's, and a non-root
+the way docs/examples.md says, its other runtime dependencies equal to setup.py's, and a non-root
 user in effect before CMD.
 """
 
@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "Dockerfile"
-README = ROOT / "README.md"
+DOCKER_DOCS = ROOT / "docs" / "examples.md"  # the Docker section
 
 
 def instructions(text: str) -> list[tuple[str, str]]:
@@ -147,16 +147,16 @@ def test_megapipe_is_installed_without_dependency_resolution(
     assert "torch.__version__" in run_text and "test " in run_text
 
 
-def test_readme_docker_section_agrees_with_the_dockerfile(steps: list[tuple[str, str]]) -> None:
-    readme = README.read_text()
+def test_docker_docs_agree_with_the_dockerfile(steps: list[tuple[str, str]]) -> None:
+    readme = DOCKER_DOCS.read_text()
     assert "docker build -t megapipe ." in readme
     run = re.search(r"docker run (--gpus all [^\n]*)", readme)
-    assert run, "README has no `docker run --gpus all ...`"
+    assert run, "docs/examples.md has no `docker run --gpus all ...`"
     for flag in ("--ipc=host", "--ulimit memlock=-1", "--ulimit stack=67108864", ":/data"):
         assert flag in run[1], flag
-    # The README states the install command; it is the Dockerfile's, word for word.
+    # The docs state the install command; it is the Dockerfile's, word for word.
     stated = re.findall(r"`(pip install [^`]*--no-deps[^`]*)`", readme)
-    assert stated, "README does not say how the image installs megapipe"
+    assert stated, "docs/examples.md does not say how the image installs megapipe"
     own = [words for words in pip_installs(steps) if "." in words]
     for command in stated:
         assert shlex.split(command)[2:] == own[0], (command, own[0])
