@@ -11,6 +11,6 @@ availability.py probes Triton, apex, TransformerEngine and flash_attn at run tim
 megapipe never needs them); dispatch.py chooses each op's implementation from the flags, the
 device and what is installed. Triton kernels live in triton_ops/, imported on first use;
 norm_backends.py holds the norms' apex and TE rows; transformer_engine.py decides whether TE
-and FP8 may run and builds FP8's recipe and autocast (the TE layers: model/te_layers.py);
-cases.py builds each op's inputs for the benchmark and the CUDA tests.
+and FP8 may run and builds FP8's recipe and autocast (the TE layers: model/te_layers.py).
+Each op's inputs for the benchmark and the CUDA tests: megapipe/testing/kernel_cases.py.
 """

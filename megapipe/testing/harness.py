@@ -22,11 +22,13 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from megapipe.errors import MegapipeError
+
 # When one rank fails, give its peers a moment to report their own error, then stop waiting.
 _FAILURE_GRACE_S = 2.0
 
 
-class DistributedTestError(RuntimeError):
+class DistributedTestError(MegapipeError, RuntimeError):
     """One or more ranks failed, died or timed out."""
 
 
