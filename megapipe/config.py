@@ -26,6 +26,7 @@ __all__ = [
     "KernelConfig",
     "ParallelConfig",
     "RecomputeConfig",
+    "StageMap",
     "TrainingConfig",
     "flag",
 ]
@@ -297,7 +298,8 @@ class RecomputeConfig:
     def describe(self) -> str:
         """`full (block, 2 layers)`, `selective (core_attn, mlp)` or `none`."""
         if self.full:
-            return f"full ({self.method}, {self.num_layers} layers)"
+            s = "" if self.num_layers == 1 else "s"
+            return f"full ({self.method}, {self.num_layers} layer{s})"
         if self.granularity == "selective":
             return f"selective ({', '.join(self.modules)})"
         return "none"
@@ -329,6 +331,43 @@ class KernelConfig:
 
 
 @dataclass(frozen=True)
+class StageMap:
+    """layers[rank][chunk] = the global layer indices that model chunk holds.
+
+    recompute[rank]: the activation recomputation the memory partition chose for that rank
+    to even out memory; () where the flags' setting holds for every rank."""
+
+    layers: tuple[tuple[range, ...], ...]
+    recompute: tuple[RecomputeConfig, ...] = ()
+
+    @property
+    def pipeline_size(self) -> int:
+        return len(self.layers)
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.layers[0])
+
+    def stage_ranges(self) -> list[range]:
+        """Layer ranges in virtual-stage order (stage s = chunk * p + rank)."""
+        p = self.pipeline_size
+        return [self.layers[s % p][s // p] for s in range(p * self.num_chunks)]
+
+    def describe(self) -> str:
+        """The start-up map rank 0 prints: which layers each (rank, chunk) owns."""
+        lines = ["pipeline layer map (rank, chunk): layers"]
+        for rank, chunks in enumerate(self.layers):
+            for chunk, layers in enumerate(chunks):
+                n = len(layers)
+                span = {0: "none", 1: f"{layers.start}"}.get(n, f"{layers.start}-{layers.stop - 1}")
+                line = f"  ({rank}, {chunk}): {span} ({n} layer{'' if n == 1 else 's'})"
+                if self.recompute and self.recompute[rank].granularity:
+                    line += f", recomputing {self.recompute[rank].describe()}"
+                lines.append(line)
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
 class Configs:
     """Everything one run needs, settled together against a world size."""
 
@@ -344,6 +383,8 @@ class Configs:
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
     kernels: KernelConfig = field(default_factory=KernelConfig)
     arguments: tuple[tuple[str, str], ...] = field(default=(), compare=False)  # for TensorBoard
+    # the layer split over pipeline stages, planned once by validation (--pipeline-partition)
+    stage_map: StageMap | None = field(default=None, compare=False, repr=False)
 
     @property
     def data_parallel_size(self) -> int:

@@ -335,4 +335,5 @@ def validate_configs(
         optimizer,
         tuple(notes),
         **others,  # type: ignore[arg-type]
+        stage_map=stage_map,  # planned once here; the run is built on it
     )

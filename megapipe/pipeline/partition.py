@@ -18,46 +18,9 @@ to choose the runs, as in Megatron-LM plus one:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from megapipe.config import ModelConfig, RecomputeConfig
+from megapipe.config import ModelConfig, StageMap
 from megapipe.errors import ConfigError
-
-
-@dataclass(frozen=True)
-class StageMap:
-    """layers[rank][chunk] = the global layer indices that model chunk holds.
-
-    recompute[rank]: the activation recomputation the memory partition chose for that rank
-    to even out memory; () where the flags' setting holds for every rank."""
-
-    layers: tuple[tuple[range, ...], ...]
-    recompute: tuple[RecomputeConfig, ...] = ()
-
-    @property
-    def pipeline_size(self) -> int:
-        return len(self.layers)
-
-    @property
-    def num_chunks(self) -> int:
-        return len(self.layers[0])
-
-    def stage_ranges(self) -> list[range]:
-        """Layer ranges in virtual-stage order (stage s = chunk * p + rank)."""
-        p = self.pipeline_size
-        return [self.layers[s % p][s // p] for s in range(p * self.num_chunks)]
-
-    def describe(self) -> str:
-        """The start-up map rank 0 prints: which layers each (rank, chunk) owns."""
-        lines = ["pipeline layer map (rank, chunk): layers"]
-        for rank, chunks in enumerate(self.layers):
-            for chunk, layers in enumerate(chunks):
-                span = f"{layers.start}-{layers.stop - 1}" if len(layers) else "none"
-                line = f"  ({rank}, {chunk}): {span} ({len(layers)} layers)"
-                if self.recompute and self.recompute[rank].granularity:
-                    line += f", recomputing {self.recompute[rank].describe()}"
-                lines.append(line)
-        return "\n".join(lines)
 
 
 def _from_counts(counts: list[int], p: int, v: int) -> StageMap:

@@ -19,7 +19,6 @@ rank of a stage (TP-sharded).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -312,7 +311,6 @@ def measured_line(rank: int, estimate: StageMemory, saved_peak: int, device) -> 
             f"{estimate.activation_bytes / _MB:.2f} MiB)")  # fmt: skip
 
 
-@functools.lru_cache(maxsize=8)  # validation and the training loop ask for the same plan
 def plan_stages(
     model: ModelConfig,
     parallel: ParallelConfig,

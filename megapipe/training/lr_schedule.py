@@ -173,18 +173,41 @@ def resolve_schedule(
     iterations and excludes a non-zero --lr-warmup-iters (0 is Megatron's default, so not "given").
     """
     _require(lr is not None, "--lr is required")
-    if lr_decay_iters is None:
-        _require(train_iters is not None, "--lr-decay-iters or --train-iters is required")
-        _require(
-            train_iters > 0,
-            "--lr-decay-iters defaults to --train-iters, which must be positive, "
-            f"got {train_iters}",
-        )
-        decay_iters = train_iters
-    else:
-        _require(lr_decay_iters > 0, f"--lr-decay-iters must be positive, got {lr_decay_iters}")
-        decay_iters = lr_decay_iters
+    decay_iters = _decay_iters(train_iters, lr_decay_iters)
+    warmup = _warmup_iters(lr_warmup_iters, lr_warmup_fraction, decay_iters, lr_decay_iters)
+    return LRSchedule(
+        max_lr=lr,
+        decay_iters=decay_iters,
+        min_lr=min_lr,
+        warmup_iters=warmup,
+        decay_style=lr_decay_style,
+        wsd_decay_iters=lr_wsd_decay_iters,
+        wsd_decay_style=lr_wsd_decay_style,
+        warmup_init_lr=lr_warmup_init,
+        global_batch_size=global_batch_size,
+    )
 
+
+def _decay_iters(train_iters: int | None, lr_decay_iters: int | None) -> int:
+    """--lr-decay-iters, defaulting to a positive --train-iters."""
+    if lr_decay_iters is not None:
+        _require(lr_decay_iters > 0, f"--lr-decay-iters must be positive, got {lr_decay_iters}")
+        return lr_decay_iters
+    _require(train_iters is not None, "--lr-decay-iters or --train-iters is required")
+    _require(
+        train_iters > 0,
+        f"--lr-decay-iters defaults to --train-iters, which must be positive, got {train_iters}",
+    )
+    return train_iters
+
+
+def _warmup_iters(
+    lr_warmup_iters: int | None,
+    lr_warmup_fraction: float | None,
+    decay_iters: int,
+    lr_decay_iters: int | None,
+) -> float:
+    """Warm-up iterations: --lr-warmup-iters, or --lr-warmup-fraction of the decay iterations."""
     warmup_iters = lr_warmup_iters or 0
     _require(warmup_iters >= 0, f"--lr-warmup-iters must not be negative, got {warmup_iters}")
     if lr_warmup_fraction is not None:
@@ -197,25 +220,13 @@ def resolve_schedule(
             0.0 <= lr_warmup_fraction < 1.0,
             f"--lr-warmup-fraction must be in [0, 1), got {lr_warmup_fraction}",
         )
-        warmup: float = lr_warmup_fraction * decay_iters
-    else:
-        warmup = warmup_iters
-        _require(
-            warmup < decay_iters,
-            f"--lr-warmup-iters ({warmup}) must be less than --lr-decay-iters ({decay_iters})"
-            + ("" if lr_decay_iters is not None else ", which defaults to --train-iters"),
-        )
-    return LRSchedule(
-        max_lr=lr,
-        decay_iters=decay_iters,
-        min_lr=min_lr,
-        warmup_iters=warmup,
-        decay_style=lr_decay_style,
-        wsd_decay_iters=lr_wsd_decay_iters,
-        wsd_decay_style=lr_wsd_decay_style,
-        warmup_init_lr=lr_warmup_init,
-        global_batch_size=global_batch_size,
+        return lr_warmup_fraction * decay_iters
+    _require(
+        warmup_iters < decay_iters,
+        f"--lr-warmup-iters ({warmup_iters}) must be less than --lr-decay-iters ({decay_iters})"
+        + ("" if lr_decay_iters is not None else ", which defaults to --train-iters"),
     )
+    return warmup_iters
 
 
 def lr_schedule_of(training: TrainingConfig) -> LRSchedule:

@@ -16,7 +16,12 @@ import torch
 from megapipe.config import Configs
 from megapipe.console import print_line
 from megapipe.parallel.state import ParallelState
-from megapipe.training.flops import device_peak_tflops, flops_per_iteration, throughput
+from megapipe.training.flops import (
+    Throughput,
+    device_peak_tflops,
+    flops_per_iteration,
+    throughput,
+)
 from megapipe.training.interval_stats import IntervalStats
 from megapipe.training.log_format import iteration_line, validation_block
 from megapipe.training.memory_report import memory_report_line
@@ -81,51 +86,24 @@ class TrainingReporter:
     ) -> None:
         """Record iteration `iteration` (1-based), which consumed samples up to
         `consumed_samples`; print the log line at --log-interval."""
-        elapsed = _now(self.state.device) - self._started
-        configs, training, logging = self.configs, self.configs.training, self.configs.logging
-        self.stats.add({"lm loss": result.lm_loss}, skipped=result.skipped)
-        self.interval_time += elapsed
-        self.interval_flops += flops_per_iteration(
-            configs.model, batch_size, padded_vocab_size=self.padded_vocab
-        )
-        self.interval_tokens += batch_size * configs.model.seq_length
-        for name, seconds in result.timers.items():
-            self.timers[name] = self.timers.get(name, 0.0) + seconds
+        self._accumulate(_now(self.state.device) - self._started, batch_size, result)
         if not self.memory_reported:
             print_line(memory_report_line(self.state.rank, iteration, self.state.device))
             self.memory_reported = True
-        at_log = iteration % training.log_interval == 0
-        iterations = self.stats.iterations
-        speed = None
-        if at_log and logging.log_throughput:
-            speed = throughput(
-                flops_per_iteration=self.interval_flops // iterations,
-                seconds_per_iteration=self.interval_time / iterations,
-                tokens_per_iteration=self.interval_tokens // iterations,
-                world_size=self.state.world_size,
-                peak_tflops=self.peak,
-            )
+        at_log = iteration % self.configs.training.log_interval == 0
+        speed = self._throughput() if at_log and self.configs.logging.log_throughput else None
         if self.tensorboard is not None:
-            timing = at_log and logging.log_timers_to_tensorboard
-            self.tensorboard.log_train(
-                iteration,
-                consumed_samples,
-                losses={"lm loss": result.lm_loss},
-                learning_rate=learning_rate if logging.log_learning_rate_to_tensorboard else None,
-                grad_norm=result.grad_norm,
-                loss_scale=loss_scale if logging.log_loss_scale_to_tensorboard else None,
-                batch_size=batch_size if logging.log_batch_size_to_tensorboard else None,
-                iteration_time_s=self.interval_time / iterations if at_log else None,
-                throughput_tflops=speed.throughput_tflops_per_gpu if speed else None,
-                timers={k: v / iterations for k, v in self.timers.items()} if timing else None,
-            )
+            self._log_tensorboard(
+                iteration, consumed_samples, batch_size, result, learning_rate, loss_scale,
+                at_log=at_log, speed=speed,
+            )  # fmt: skip
         if not at_log:
             return
         line = iteration_line(
             iteration=iteration,
-            train_iters=training.train_iters,
+            train_iters=self.configs.training.train_iters,
             consumed_samples=consumed_samples,
-            elapsed_ms_per_iteration=self.interval_time * 1000.0 / iterations,
+            elapsed_ms_per_iteration=self.interval_time * 1000.0 / self.stats.iterations,
             learning_rate=learning_rate,
             global_batch_size=batch_size,
             losses=self.stats.averages(),
@@ -136,6 +114,60 @@ class TrainingReporter:
             **(dataclasses.asdict(speed) if speed else {}),
         )
         print_rank_last(self.state, line)
+        self._reset_interval()
+
+    def _accumulate(self, elapsed: float, batch_size: int, result: StepResult) -> None:
+        """Add one iteration to the interval: its loss, time, FLOPs, tokens and timers."""
+        model = self.configs.model
+        self.stats.add({"lm loss": result.lm_loss}, skipped=result.skipped)
+        self.interval_time += elapsed
+        self.interval_flops += flops_per_iteration(
+            model, batch_size, padded_vocab_size=self.padded_vocab
+        )
+        self.interval_tokens += batch_size * model.seq_length
+        for name, seconds in result.timers.items():
+            self.timers[name] = self.timers.get(name, 0.0) + seconds
+
+    def _throughput(self) -> Throughput:
+        """The interval's mean throughput per iteration."""
+        iterations = self.stats.iterations
+        return throughput(
+            flops_per_iteration=self.interval_flops // iterations,
+            seconds_per_iteration=self.interval_time / iterations,
+            tokens_per_iteration=self.interval_tokens // iterations,
+            world_size=self.state.world_size,
+            peak_tflops=self.peak,
+        )
+
+    def _log_tensorboard(
+        self,
+        iteration: int,
+        consumed_samples: int,
+        batch_size: int,
+        result: StepResult,
+        learning_rate: float,
+        loss_scale: float,
+        *,
+        at_log: bool,
+        speed: Throughput | None,
+    ) -> None:
+        """This iteration's scalars, with the interval's means at --log-interval."""
+        logging, iterations = self.configs.logging, self.stats.iterations
+        timing = at_log and logging.log_timers_to_tensorboard
+        self.tensorboard.log_train(
+            iteration,
+            consumed_samples,
+            losses={"lm loss": result.lm_loss},
+            learning_rate=learning_rate if logging.log_learning_rate_to_tensorboard else None,
+            grad_norm=result.grad_norm,
+            loss_scale=loss_scale if logging.log_loss_scale_to_tensorboard else None,
+            batch_size=batch_size if logging.log_batch_size_to_tensorboard else None,
+            iteration_time_s=self.interval_time / iterations if at_log else None,
+            throughput_tflops=speed.throughput_tflops_per_gpu if speed else None,
+            timers={k: v / iterations for k, v in self.timers.items()} if timing else None,
+        )
+
+    def _reset_interval(self) -> None:
         self.stats.reset()
         self.interval_flops = self.interval_tokens = 0
         self.interval_time = 0.0

@@ -24,6 +24,7 @@ from megapipe.data.batch import TrainingBatch
 from megapipe.data.sampler import micro_batch_range
 from megapipe.distributed import finalize_model_grads
 from megapipe.distributed.optimizer import NonFiniteGradient, ShardedOptimizer
+from megapipe.errors import MegapipeError
 from megapipe.model.te_layers import start_microbatches
 from megapipe.parallel.state import ParallelState
 from megapipe.pipeline.executor import PipelineExecutor
@@ -50,7 +51,7 @@ class StepResult:
     timers: dict[str, float] = field(default_factory=dict, compare=False)
 
 
-class NumericalFaultError(RuntimeError):
+class NumericalFaultError(MegapipeError, RuntimeError):
     """A numerical fault stopped training before the optimizer step touched the weights."""
 
 

@@ -1,8 +1,9 @@
-"""A run's model, executor, optimizer and training data, stepped one iteration at a time.
+"""A built run stepped by hand, one iteration at a time, without the training loop.
 
-What `train()` builds, without its loop (logging, evaluation, checkpoints, exit conditions):
-for benchmarks that time the training step and for tests that need to look between steps.
-Every iteration reads the next global batch of the fixed `--global-batch-size`.
+`build_run` builds it as for `train()` (quietly, without the loop's logging, evaluation,
+checkpoints and exit conditions): for benchmarks that time the training step and for tests that
+need to look between steps. Every iteration reads the next global batch of the fixed
+`--global-batch-size`, at a constant learning rate. (One iteration itself is `step.train_step`.)
 """
 
 from __future__ import annotations
@@ -10,13 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megapipe.config import Configs
-from megapipe.data.sources import build_batch_sources
 from megapipe.distributed.optimizer import ShardedOptimizer
 from megapipe.model.gpt import GPTModel
 from megapipe.parallel.state import ParallelState
 from megapipe.pipeline.executor import PipelineExecutor
+from megapipe.training.build import SampleCounts, build_run
 from megapipe.training.step import BatchSource, GlobalBatch, StepResult, train_step
-from megapipe.training.train import build_executor, build_model_chunks_for, build_optimizer
 
 
 @dataclass
@@ -33,16 +33,11 @@ class Stepper:
 
     @classmethod
     def build(cls, configs: Configs, state: ParallelState, *, train_samples: int = 0) -> Stepper:
-        """Build as `train()` does: seeded chunks, the schedule's executor, grad buffers and
-        the optimizer, the training split (`train_samples` for indexed data; mock data needs
-        none)."""
-        chunks = build_model_chunks_for(configs, state)
-        executor = build_executor(chunks, configs, state)
-        optimizer = build_optimizer(chunks, configs, state)
-        sources = build_batch_sources(
-            configs, train_samples=train_samples, valid_samples=0, test_samples=0
-        )
-        return cls(configs, state, chunks, executor, optimizer, sources.train)
+        """Build as `train()` does (`build_run`): seeded chunks, the schedule's executor, grad
+        buffers and the optimizer, the training split (`train_samples` for indexed data; mock
+        data needs none)."""
+        run = build_run(configs, state, samples=SampleCounts(train_samples, 0, 0), announce=False)
+        return cls(configs, state, run.chunks, run.executor, run.optimizer, run.data.train)
 
     def step(self, lr: float | None = None) -> StepResult:
         """The next iteration at `lr` (default --lr, no schedule)."""
