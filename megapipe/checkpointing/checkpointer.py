@@ -1,11 +1,12 @@
 """Saving and loading a run's checkpoints with Megatron's flags and directory layout.
 
-`SAVE/iter_0000100/` (a `torch_dist` checkpoint) and `SAVE/latest_checkpointed_iteration.txt`,
-written only once the iteration directory is complete. `--load` resolves to the tracker's
-iteration (or `--ckpt-step`); `--finetune` loads the weights only; `--no-load-optim`,
-`--no-load-rng`, `--no-save-optim`, `--no-save-rng` leave those parts out. Random states are
-restored only at the layout they were saved at (they are per rank); nothing else depends on
-the layout.
+`SAVE/iter_0000100/` and `SAVE/latest_checkpointed_iteration.txt`, written only once the
+iteration directory is complete. `--ckpt-format` chooses what saves write (`torch_dist`, or
+Megatron's legacy `torch` layout); loads go by what is on disk. `--load` resolves to the
+tracker's iteration (or `--ckpt-step`, `tracker.checkpoint_to_load`); what is restored
+(`--finetune`: the weights only; `--no-load-optim`, `--no-load-rng`; random states only at the
+layout they were saved at) is `load_plan`'s decision for both formats; `--no-save-optim`,
+`--no-save-rng` leave those parts out of a save.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ from collections.abc import Sequence
 
 import torch
 
+from megapipe.checkpointing import legacy_torch
 from megapipe.checkpointing.async_save import AsyncSaver, new_saving_group
-from megapipe.checkpointing.errors import CheckpointError
+from megapipe.checkpointing.load_plan import Held, LoadPlan, Request, plan_load
 from megapipe.checkpointing.run_state import (
     CHECKPOINT_VERSION,
+    LiveRun,
     Progress,
     after_load,
     layout_of,
@@ -31,55 +34,13 @@ from megapipe.checkpointing.run_state import (
     state_to_save,
 )
 from megapipe.checkpointing.torch_dist import load_common, load_sharded, save_sharded, sharded_keys
-from megapipe.checkpointing.tracker import iteration_dir, read_tracker, write_tracker
-from megapipe.config import CheckpointConfig, Configs
+from megapipe.checkpointing.tracker import checkpoint_to_load, iteration_dir, point_tracker
+from megapipe.config import Configs
+from megapipe.console import say
 from megapipe.distributed.optimizer import ShardedOptimizer
-from megapipe.errors import ConfigError
 from megapipe.parallel.initialize import default_group_timeout
 from megapipe.parallel.random import RNGTracker
 from megapipe.parallel.state import ParallelState
-
-
-def checkpoint_to_load(checkpoint: CheckpointConfig) -> int | None:
-    """The iteration --load (and --ckpt-step) name, or None for "start from scratch".
-
-    ConfigError when the named checkpoint does not exist, or none does and
-    --exit-on-missing-checkpoint was given."""
-    if checkpoint.load is None:
-        return None
-    if checkpoint.ckpt_step is not None:
-        directory = iteration_dir(checkpoint.load, checkpoint.ckpt_step)
-        if not os.path.isdir(directory):
-            raise ConfigError(f"--ckpt-step {checkpoint.ckpt_step}: {directory} does not exist")
-        return checkpoint.ckpt_step
-    try:
-        iteration = read_tracker(checkpoint.load)
-    except CheckpointError as error:
-        raise ConfigError(f"--load: {error}") from None
-    if iteration is None:
-        if checkpoint.exit_on_missing_checkpoint:
-            raise ConfigError(
-                f"--load {checkpoint.load}: no checkpoint found (no "
-                "latest_checkpointed_iteration.txt) and --exit-on-missing-checkpoint is set"
-            )
-        return None
-    directory = iteration_dir(checkpoint.load, iteration)
-    if not os.path.isdir(directory):
-        raise ConfigError(
-            f"--load {checkpoint.load}: latest_checkpointed_iteration.txt names iteration "
-            f"{iteration}, but {directory} does not exist"
-        )
-    return iteration
-
-
-def describe(layout: dict | None) -> str:
-    """`TP2 x PP2 (2 virtual stages) over 8 ranks` for a saved layout record."""
-    if not layout:
-        return "an unknown layout"
-    text = f"TP{layout['tensor_model_parallel_size']} x PP{layout['pipeline_model_parallel_size']}"
-    if layout.get("virtual_pipeline_model_parallel_size", 1) > 1:
-        text += f" ({layout['virtual_pipeline_model_parallel_size']} virtual stages)"
-    return text + f" over {layout['world_size']} ranks"
 
 
 class Checkpointer:
@@ -107,19 +68,39 @@ class Checkpointer:
                 group = new_saving_group(default_group_timeout())
             self.saver = AsyncSaver(group, state.device)
 
+    @property
+    def run(self) -> LiveRun:
+        """The live parts a checkpoint saves and restores."""
+        return LiveRun(self.state, self.chunks, self.optimizer, self.rng, self.layout)
+
     # --- saving ---------------------------------------------------------------------------
 
     def save(self, progress: Progress) -> tuple[str, float]:
         """Write SAVE/iter_N and then point the tracker at it (collective). Returns the path
         and the seconds training was held up (with --async-save: staging only, the writing
         goes on in the background)."""
-        if self.checkpoint.ckpt_format == "torch":  # Megatron's legacy layout (synchronous)
-            from megapipe.checkpointing import legacy_torch
-
-            return legacy_torch.save(self, progress)
         checkpoint = self.checkpoint
         assert checkpoint.save is not None
         start = time.perf_counter()
+        directory = iteration_dir(checkpoint.save, progress.iteration)
+        coordinator = self.state.rank == 0
+
+        def then() -> None:  # rank 0, once the iteration directory is in place
+            if coordinator:
+                warning = point_tracker(checkpoint.save, progress.iteration)
+                if warning is not None:
+                    say(f"warning: {warning}")
+
+        if checkpoint.ckpt_format == "torch":  # Megatron's legacy layout (synchronous)
+            contents = legacy_torch.SaveContents(
+                progress,
+                with_optimizer=not checkpoint.no_save_optim,
+                with_rng=not checkpoint.no_save_rng,
+                args=dict(self.configs.arguments),
+                true_vocab_size=self.configs.model.vocab_size,
+            )
+            legacy_torch.save(self.run, directory, contents, then=then)
+            return os.path.abspath(directory), time.perf_counter() - start
         optimizer = None if checkpoint.no_save_optim else self.optimizer
         shards = state_to_save(self.chunks, optimizer, self.state, self.num_layers)
         if not checkpoint.no_save_rng:
@@ -135,18 +116,11 @@ class Checkpointer:
             "layout": self.layout,
             "args": dict(self.configs.arguments),
         }
-        directory = iteration_dir(checkpoint.save, progress.iteration)
-        coordinator = self.state.rank == 0
-
-        def point_tracker() -> None:
-            if coordinator:
-                write_tracker(checkpoint.save, progress.iteration)
-
         if self.saver is not None:
-            self.saver.save(directory, shards, common, coordinator=coordinator, then=point_tracker)
+            self.saver.save(directory, shards, common, coordinator=coordinator, then=then)
             return directory, time.perf_counter() - start
         save_sharded(directory, shards, common, group=self.state.world.pg, coordinator=coordinator)
-        point_tracker()
+        then()
         if self.state.world_size > 1:
             torch.distributed.barrier(group=self.state.world.pg)
         return directory, time.perf_counter() - start
@@ -160,42 +134,38 @@ class Checkpointer:
 
     def load(self) -> tuple[Progress | None, list[str]]:
         """Load what --load names into the live run; (progress to continue from, or None to
-        start from scratch; notes for the user)."""
-        from megapipe.checkpointing import legacy_torch
-
-        if legacy_torch.wanted(self.checkpoint):  # by what is on disk
-            return legacy_torch.load(self)
+        start from scratch; notes for the user). The format is whatever is on disk."""
         checkpoint = self.checkpoint
         iteration = checkpoint_to_load(checkpoint)
         if iteration is None:
             return None, []
+        assert checkpoint.load is not None
         directory = iteration_dir(checkpoint.load, iteration)
-        common = load_common(directory)
-        notes = [f"loading checkpoint from {directory} at iteration {iteration}"]
-        weights_only = checkpoint.finetune
-        with_optimizer = not (weights_only or checkpoint.no_load_optim)
-        if with_optimizer and not common.get("has_optimizer", False):
-            notes.append(f"{directory} holds no optimizer state: the optimizer starts afresh")
-            with_optimizer = False
-        optimizer = self.optimizer if with_optimizer else None
+        if legacy_torch.is_legacy(directory):
+            directory = os.path.abspath(directory)
+            data = legacy_torch.read_model(self.run, directory, Request.of(checkpoint).optimizer)
+            plan = plan_load(checkpoint, directory, iteration, Held.of(data), self.layout)
+            legacy_torch.restore(self.run, directory, data, optimizer=plan.optimizer, rng=plan.rng)
+            saved = Progress.from_dict(data["opt_param_scheduler"])
+        else:
+            common = load_common(directory)
+            plan = plan_load(checkpoint, directory, iteration, Held.of(common), self.layout)
+            self._load_torch_dist(plan, common)
+            saved = Progress.from_dict(common)
+        return plan.progress(saved), list(plan.notes)
+
+    def _load_torch_dist(self, plan: LoadPlan, common: dict) -> None:
+        """Restore a torch_dist checkpoint as `plan` says (collective)."""
+        optimizer = self.optimizer if plan.optimizer else None
         shards = state_to_load(self.chunks, optimizer, self.state, self.num_layers)
-        available = sharded_keys(directory)
+        available = sharded_keys(plan.directory)
         masters = [k for k in shards if k.startswith("optimizer.state.fp32_param.")]
         masters_loaded = bool(masters) and all(k in available for k in masters)
         if masters and not masters_loaded:  # saved in fp32: the weights are the masters
             shards = {k: v for k, v in shards.items() if k not in masters}
-        same_layout = common.get("layout") == self.layout
-        with_rng = not (weights_only or checkpoint.no_load_rng) and common.get("has_rng", False)
-        if with_rng and not same_layout:
-            notes.append(
-                f"random states not restored: saved at {describe(common.get('layout'))}, "
-                f"loading at {describe(self.layout)} (dropout masks depend on the samples "
-                "only, so training is unaffected)"
-            )
-            with_rng = False
-        rng = rng_destinations(self.rng, self.state) if with_rng else {}
-        load_sharded(directory, {**shards, **rng}, group=self.state.world.pg)
-        if with_rng:
+        rng = rng_destinations(self.rng, self.state) if plan.rng else {}
+        load_sharded(plan.directory, {**shards, **rng}, group=self.state.world.pg)
+        if plan.rng:
             restore_rng({k: v[0].tensor for k, v in rng.items()}, self.rng, self.state.rank)
         if optimizer is not None:
             after_load(self.optimizer, int(common["optimizer_step"]), masters_loaded)
@@ -204,6 +174,3 @@ class Checkpointer:
                 scaler.load_state_dict(common["loss_scaler"])
         else:
             after_load(self.optimizer, None, masters_loaded=False)
-        if weights_only:
-            return Progress(0, 0, 0, {}), notes
-        return Progress.from_dict(common), notes

@@ -3,6 +3,8 @@ directory and the mismatch (a corrupt, incomplete, foreign or malicious checkpoi
 
 from __future__ import annotations
 
+from megapipe.errors import MegapipeError
 
-class CheckpointError(RuntimeError):
+
+class CheckpointError(MegapipeError, RuntimeError):
     """A checkpoint that cannot be written or loaded as asked. The message names where and why."""

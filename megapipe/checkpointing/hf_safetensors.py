@@ -73,17 +73,27 @@ def write_weights(
     shards = plan_shards(tensors, parse_size(max_shard_size))
     if len(shards) == 1:
         save_file(tensors, os.path.join(directory, WEIGHTS), metadata={"format": "pt"})
+        _plain_file_mode(os.path.join(directory, WEIGHTS))
         return [WEIGHTS]
     files, weight_map = [], {}
     for i, names in enumerate(shards, start=1):
         file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
         save_file({n: tensors[n] for n in names}, os.path.join(directory, file), {"format": "pt"})
+        _plain_file_mode(os.path.join(directory, file))
         files.append(file)
         weight_map.update(dict.fromkeys(names, file))
     total = sum(_nbytes(t) for t in tensors.values())
     with open(os.path.join(directory, INDEX), "w", encoding="utf-8") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     return [*files, INDEX]
+
+
+def _plain_file_mode(path: str) -> None:
+    """safetensors creates its files 0600; give them the mode open() gives the export's other
+    files (0666 less the umask: 0644 under the usual 022)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 def _load(path: str) -> dict[str, torch.Tensor]:

@@ -16,6 +16,9 @@ written by data-parallel rank 0 of each model-parallel rank, holding
 Each mp_rank directory carries `checksums.json`; the iteration directory is written under a
 temporary sibling and renamed into place, then the tracker is written. A checkpoint loads only
 at the layout it was saved at; `tools/checkpoint/convert.py` rewrites it for another.
+
+This module reads and writes the files; what a load restores (`--finetune`, `--no-load-optim`,
+`--no-load-rng`) is decided by `load_plan`, and the Checkpointer points the tracker.
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -34,16 +38,13 @@ from megapipe.checkpointing.agreement import agree, attempt, gather
 from megapipe.checkpointing.errors import CheckpointError
 from megapipe.checkpointing.run_state import (
     CHECKPOINT_VERSION,
+    LiveRun,
     Progress,
     after_load,
     restore_rng,
     rng_shards,
 )
 from megapipe.checkpointing.safe_pickle import safe_torch_load
-from megapipe.checkpointing.tracker import iteration_dir, write_tracker
-
-if TYPE_CHECKING:
-    from megapipe.checkpointing.checkpointer import Checkpointer
 
 MODEL_FILE = "model_optim_rng.pt"
 LAYER_PREFIX = "decoder.layers."
@@ -62,15 +63,6 @@ def distrib_optim_name(dp_rank: int) -> str:
 def is_legacy(directory: str) -> bool:
     """Whether an iteration directory holds the legacy layout (mp_rank_* directories)."""
     return os.path.isdir(directory) and any(n.startswith("mp_rank_") for n in os.listdir(directory))
-
-
-def wanted(checkpoint: Any) -> bool:
-    """Whether the checkpoint --load names is in the legacy layout (loads go by what is on
-    disk, whatever --ckpt-format says; that flag chooses what saves write)."""
-    from megapipe.checkpointing.checkpointer import checkpoint_to_load
-
-    iteration = checkpoint_to_load(checkpoint)
-    return iteration is not None and is_legacy(iteration_dir(checkpoint.load, iteration))
 
 
 def model_key(chunk_index: int, num_chunks: int) -> str:
@@ -180,8 +172,8 @@ def finish_directory(temp: str, directory: str, digests: dict[str, dict[str, dic
 # --- saving from a live run -----------------------------------------------------------------
 
 
-def _optimizer_state(checkpointer: Checkpointer) -> dict[str, Any]:
-    optimizer = checkpointer.optimizer
+def _optimizer_state(run: LiveRun) -> dict[str, Any]:
+    optimizer = run.optimizer
     masters = [m.detach().clone() for m in optimizer.masters]
     return {
         "inner": optimizer.inner.state_dict(),
@@ -190,47 +182,50 @@ def _optimizer_state(checkpointer: Checkpointer) -> dict[str, Any]:
     }
 
 
-def save(checkpointer: Checkpointer, progress: Progress) -> tuple[str, float]:
-    """Write SAVE/iter_N in the legacy layout and point the tracker at it (collective).
-    Returns the path and the seconds it took (training waits for all of it)."""
-    start = time.perf_counter()
-    state, checkpoint = checkpointer.state, checkpointer.checkpoint
-    assert checkpoint.save is not None
-    directory = os.path.abspath(iteration_dir(checkpoint.save, progress.iteration))
+@dataclass(frozen=True)
+class SaveContents:
+    """What one legacy save writes besides the model: the choices and the run's records."""
+
+    progress: Progress
+    with_optimizer: bool  # not --no-save-optim
+    with_rng: bool  # not --no-save-rng
+    args: dict[str, str]  # the run's arguments, as strings
+    true_vocab_size: int
+
+
+def save(
+    run: LiveRun, directory: str, contents: SaveContents, then: Callable[[], None] | None = None
+) -> None:
+    """Write the iteration directory `directory` in the legacy layout (collective); `then`
+    (rank 0's, e.g. pointing the tracker) runs once it is in place, its errors agreed too."""
+    state = run.state
+    directory = os.path.abspath(directory)
     group = state.world.pg
     coordinator = state.rank == 0
     temp, error = (
-        attempt(lambda: start_directory(directory), directory)
-        if coordinator
-        else (
-            None,
-            None,
-        )
+        attempt(lambda: start_directory(directory), directory) if coordinator else (None, None)
     )
     offers = gather((temp, error), group)
     agree(offers[0][1], group)
     temp = offers[0][0]
     assert temp is not None
     rng = {}
-    if not checkpoint.no_save_rng:
-        rng = {k: v[0].tensor for k, v in rng_shards(checkpointer.rng, state).items()}
+    if contents.with_rng:
+        rng = {k: v[0].tensor for k, v in rng_shards(run.rng, state).items()}
     rng_list = gather(rng, state.dp.pg) if state.dp.size > 1 else [rng]
-    with_optimizer = not checkpoint.no_save_optim
-    sharded = checkpointer.optimizer.sharded
+    sharded = run.optimizer.sharded
     sub = mp_rank_name(state.tp.rank, state.pp.rank, state.pp.size)
 
     def write() -> dict[str, dict]:
         path = os.path.join(temp, sub)
         os.makedirs(path, exist_ok=True)
         names = []
-        if with_optimizer and sharded:
+        if contents.with_optimizer and sharded:
             name = distrib_optim_name(state.dp.rank)
-            write_file(os.path.join(path, name), {"optimizer": _optimizer_state(checkpointer)})
+            write_file(os.path.join(path, name), {"optimizer": _optimizer_state(run)})
             names.append(name)
         if state.dp.rank == 0:
-            write_file(
-                os.path.join(path, MODEL_FILE), _model_file(checkpointer, progress, rng_list)
-            )
+            write_file(os.path.join(path, MODEL_FILE), _model_file(run, contents, rng_list))
             names.append(MODEL_FILE)
         return atomic_dir.fsync_and_digest(path, names)
 
@@ -243,42 +238,39 @@ def save(checkpointer: Checkpointer, progress: Progress) -> tuple[str, float]:
         for name, table, _ in digests:
             tables.setdefault(name, {}).update(table or {})
         finish_directory(temp, directory, tables)
-        write_tracker(checkpoint.save, progress.iteration)
+        if then is not None:
+            then()
 
     _, error = attempt(finish, directory) if coordinator else (None, None)
     if error and coordinator:
         shutil.rmtree(temp, ignore_errors=True)
     agree(error, group)
-    return directory, time.perf_counter() - start
 
 
-def _model_file(checkpointer: Checkpointer, progress: Progress, rng_list: list) -> dict:
-    chunks, state = checkpointer.chunks, checkpointer.state
-    optimizer = checkpointer.optimizer
+def _model_file(run: LiveRun, contents: SaveContents, rng_list: list) -> dict:
+    chunks, optimizer = run.chunks, run.optimizer
     data: dict[str, Any] = {model_key(i, len(chunks)): chunk_state(c) for i, c in enumerate(chunks)}
-    with_optimizer = not checkpointer.checkpoint.no_save_optim
-    if with_optimizer and not optimizer.sharded:
-        data["optimizer"] = _optimizer_state(checkpointer)
+    if contents.with_optimizer and not optimizer.sharded:
+        data["optimizer"] = _optimizer_state(run)
     scaler = optimizer.scaler
     data.update(
         common_entries(
-            progress,
-            dict(checkpointer.configs.arguments),
-            checkpointer.layout,
+            contents.progress,
+            contents.args,
+            run.layout,
             [[r.start, r.stop] for r in (_range_of(c) for c in chunks)],
-            checkpointer.configs.model.vocab_size,
+            contents.true_vocab_size,
         )
     )
     data.update(
         {
-            "has_optimizer": with_optimizer,
+            "has_optimizer": contents.with_optimizer,
             "distributed_optimizer": optimizer.sharded,
-            "has_rng": not checkpointer.checkpoint.no_save_rng,
-            "rng_state": rng_list if not checkpointer.checkpoint.no_save_rng else [],
+            "has_rng": contents.with_rng,
+            "rng_state": rng_list if contents.with_rng else [],
             "loss_scaler": scaler.state_dict() if scaler is not None else {},
         }
     )
-    del state
     return data
 
 
@@ -308,7 +300,7 @@ def common_entries(
     }
 
 
-# --- loading into a live run ----------------------------------------------------------------
+# --- loading into a live run (what is restored is the load plan's to decide) -----------------
 
 
 def _describe(layout: dict) -> str:
@@ -337,19 +329,12 @@ def _check_layout(directory: str, saved: dict, here: dict, with_optimizer: bool)
         )
 
 
-def load(checkpointer: Checkpointer) -> tuple[Progress | None, list[str]]:
-    """Load a legacy checkpoint saved at this run's layout (collective over the world)."""
-    from megapipe.checkpointing.checkpointer import checkpoint_to_load
-
-    checkpoint, state = checkpointer.checkpoint, checkpointer.state
-    iteration = checkpoint_to_load(checkpoint)
-    if iteration is None:
-        return None, []
-    directory = os.path.abspath(iteration_dir(checkpoint.load, iteration))
-    notes = [f"loading checkpoint from {directory} at iteration {iteration}"]
-    group = state.world.pg
-    weights_only = checkpoint.finetune
-    want_optimizer = not (weights_only or checkpoint.no_load_optim)
+def read_model(run: LiveRun, directory: str, want_optimizer: bool) -> dict:
+    """Read this rank's model file of the legacy checkpoint `directory`, check it was saved at
+    this run's layout (the world size too when its optimizer state is wanted) and load the
+    weights into the chunks (collective). Returns the file's entries."""
+    state = run.state
+    directory = os.path.abspath(directory)
     sub = os.path.join(directory, mp_rank_name(state.tp.rank, state.pp.rank, state.pp.size))
 
     def read() -> dict:
@@ -363,58 +348,52 @@ def load(checkpointer: Checkpointer) -> tuple[Progress | None, list[str]]:
         saved = data.get("layout", {}) if data is not None else {}
         if data is None or present != expected:
             if data is not None and saved:
-                _check_layout(directory, saved, checkpointer.layout, want_optimizer)
+                _check_layout(directory, saved, run.layout, want_optimizer)
             raise CheckpointError(
                 f"checkpoint {directory}: holds {sorted(present)}, this run at "
-                f"{_describe(checkpointer.layout)} needs {sorted(expected)}; convert it with "
+                f"{_describe(run.layout)} needs {sorted(expected)}; convert it with "
                 "tools/checkpoint/convert.py"
             )
         _check_layout(
-            directory,
-            saved,
-            checkpointer.layout,
-            want_optimizer and data.get("has_optimizer", False),
+            directory, saved, run.layout, want_optimizer and data.get("has_optimizer", False)
         )
-        for i, chunk in enumerate(checkpointer.chunks):
-            key = model_key(i, len(checkpointer.chunks))
+        for i, chunk in enumerate(run.chunks):
+            key = model_key(i, len(run.chunks))
             if key not in data:
                 raise CheckpointError(f"checkpoint file {sub}/{MODEL_FILE}: no {key!r} entry")
             load_chunk_state(chunk, data[key], f"{sub}/{MODEL_FILE} [{key}]")
         return data
 
     data, error = attempt(read, directory)
-    agree(error, group)
+    agree(error, state.world.pg)
     assert data is not None
-    with_optimizer = want_optimizer and data.get("has_optimizer", False)
-    if want_optimizer and not with_optimizer:
-        notes.append(f"{directory} holds no optimizer state: the optimizer starts afresh")
-    same_world = data["layout"].get("world_size") == checkpointer.layout["world_size"]
-    with_rng = not (weights_only or checkpoint.no_load_rng) and data.get("has_rng", False)
-    if with_rng and not same_world:
-        notes.append("random states not restored: saved at another data-parallel size")
-        with_rng = False
+    return data
+
+
+def restore(run: LiveRun, directory: str, data: dict, *, optimizer: bool, rng: bool) -> None:
+    """Restore the optimizer (and loss scaler) and the random states `read_model` found, as far
+    as the load plan says (collective)."""
+    state = run.state
+    directory = os.path.abspath(directory)
+    sub = os.path.join(directory, mp_rank_name(state.tp.rank, state.pp.rank, state.pp.size))
 
     def restore() -> None:
-        optimizer = checkpointer.optimizer
-        if with_optimizer:
+        if optimizer:
             if data.get("distributed_optimizer"):
                 saved = read_verified(sub, distrib_optim_name(state.dp.rank))["optimizer"]
             else:
                 saved = data["optimizer"]
-            _restore_optimizer(optimizer, saved, f"{sub}")
-            scaler = optimizer.scaler
+            _restore_optimizer(run.optimizer, saved, f"{sub}")
+            scaler = run.optimizer.scaler
             if scaler is not None and data.get("loss_scaler"):
                 scaler.load_state_dict(data["loss_scaler"])
         else:
-            after_load(optimizer, None, masters_loaded=False)
-        if with_rng:
-            restore_rng(data["rng_state"][state.dp.rank], checkpointer.rng, state.rank)
+            after_load(run.optimizer, None, masters_loaded=False)
+        if rng:
+            restore_rng(data["rng_state"][state.dp.rank], run.rng, state.rank)
 
     _, error = attempt(restore, directory)
-    agree(error, group)
-    if weights_only:
-        return Progress(0, 0, 0, {}), notes
-    return Progress.from_dict(data["opt_param_scheduler"]), notes
+    agree(error, state.world.pg)
 
 
 def _restore_optimizer(optimizer: Any, saved: dict, where: str) -> None:

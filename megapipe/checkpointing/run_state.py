@@ -67,6 +67,17 @@ def layout_of(state: ParallelState, virtual_stages: int) -> dict[str, int]:
     }
 
 
+@dataclass(frozen=True)
+class LiveRun:
+    """The parts of a running job that a checkpoint saves and restores, in any format."""
+
+    state: ParallelState
+    chunks: list[torch.nn.Module]  # this rank's model chunks (virtual stages)
+    optimizer: ShardedOptimizer
+    rng: RNGTracker
+    layout: dict[str, int]  # `layout_of` this run
+
+
 def _named_params(chunks: Sequence[torch.nn.Module]) -> list[tuple[str, torch.nn.Parameter]]:
     return [item for chunk in chunks for item in chunk.named_parameters()]
 

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from megapipe.checkpointing.errors import CheckpointError
+from megapipe.errors import MegapipeError
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 _ALLOWED: frozenset[tuple[str, str]] = frozenset(
@@ -59,7 +60,7 @@ _ALLOWED: frozenset[tuple[str, str]] = frozenset(
 _TORCH_VALUE_TYPES = (torch.dtype, torch.layout, torch.memory_format)
 
 
-class UnsafePickleError(pickle.UnpicklingError):
+class UnsafePickleError(MegapipeError, pickle.UnpicklingError):
     """The stream names a global outside the allow-list."""
 
 

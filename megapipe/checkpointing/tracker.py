@@ -1,15 +1,22 @@
 """Megatron's checkpoint directory names: `SAVE/iter_0000100` and
 `SAVE/latest_checkpointed_iteration.txt`, the tracker replaced atomically and written only once
-the iteration directory it names is in place."""
+the iteration directory it names is in place; which iteration `--load`/`--ckpt-step` name; a
+save into a folder an earlier run went further in (`point_tracker`).
+
+A leaf: it imports no other checkpointing module but the errors, so flag validation can ask it
+about a `--load` folder before anything is built."""
 
 from __future__ import annotations
 
 import contextlib
 import glob
 import os
+import re
 
-from megapipe.atomic_files import atomic_write
+from megapipe.atomic_files import atomic_write, fsync_path
 from megapipe.checkpointing.errors import CheckpointError
+from megapipe.config import CheckpointConfig
+from megapipe.errors import ConfigError
 
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
 
@@ -62,3 +69,93 @@ def write_tracker(save: str, iteration: int) -> None:
         f.write(f"{iteration}\n")
         f.flush()
         os.fsync(f.fileno())
+
+
+ITERATION_NAME = re.compile(r"iter_(\d{7})")
+
+
+def saved_iterations(directory: str) -> list[int]:
+    """The iterations with a complete `iter_NNNNNNN` directory under `directory`, ascending
+    (a save's `.tmp-`/`.old-` siblings and anything else are not checkpoints)."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    found = (ITERATION_NAME.fullmatch(name) for name in names)
+    return sorted(int(m[1]) for m in found if m and os.path.isdir(os.path.join(directory, m[0])))
+
+
+def _listing(directory: str) -> str:
+    saved = saved_iterations(directory)
+    if not saved:
+        return "no iterations are saved there"
+    return "iterations saved there: " + ", ".join(map(str, saved))
+
+
+def checkpoint_to_load(checkpoint: CheckpointConfig) -> int | None:
+    """The iteration --load (and --ckpt-step) name, or None for "start from scratch".
+
+    ConfigError (one line) when the named checkpoint does not exist (--ckpt-step's lists the
+    iterations that do), or none does and --exit-on-missing-checkpoint was given."""
+    if checkpoint.load is None:
+        return None
+    if checkpoint.ckpt_step is not None:
+        directory = iteration_dir(checkpoint.load, checkpoint.ckpt_step)
+        if not os.path.isdir(directory):
+            raise ConfigError(  # two pieces: the bad-input catalogue reads the first
+                f"--ckpt-step {checkpoint.ckpt_step}: {directory} does not exist "
+                + f"({_listing(checkpoint.load)})"
+            )
+        return checkpoint.ckpt_step
+    try:
+        iteration = read_tracker(checkpoint.load)
+    except CheckpointError as error:
+        raise ConfigError(f"--load: {error}") from None
+    if iteration is None:
+        if checkpoint.exit_on_missing_checkpoint:
+            raise ConfigError(
+                f"--load {checkpoint.load}: no checkpoint found (no "
+                "latest_checkpointed_iteration.txt) and --exit-on-missing-checkpoint is set"
+            )
+        return None
+    directory = iteration_dir(checkpoint.load, iteration)
+    if not os.path.isdir(directory):
+        raise ConfigError(
+            f"--load {checkpoint.load}: latest_checkpointed_iteration.txt names iteration "
+            f"{iteration}, but {directory} does not exist"
+        )
+    return iteration
+
+
+SUPERSEDED_SUFFIX = ".superseded"
+
+
+def point_tracker(save: str, iteration: int) -> str | None:
+    """After a save of `iteration`: write the tracker (as Megatron does, the iteration just
+    saved, even when it is older than what it named), then move aside the iterations above it
+    that an earlier run left in `save`. Returns the one-line warning naming them, or None.
+
+    Why this choice: Megatron points the tracker at the latest *saved* iteration, so a resume
+    (auto-resume, `--load` of this folder) continues this run, not an abandoned one; keeping
+    the tracker at a newer stale iteration would silently resume the earlier run. But a newer
+    `iter_N` beside an older tracker still looks valid (`--ckpt-step N`, the converters, a
+    user's `ls`) and would be loaded as if it belonged to this run. Renaming each to
+    `iter_N.superseded` (not deleting it: a --save folder given by mistake loses nothing)
+    takes it out of every reader's sight; a second one of the same name gets `.superseded-2`."""
+    write_tracker(save, iteration)
+    newer = [i for i in saved_iterations(save) if i > iteration]
+    for stale in newer:
+        source = iteration_dir(save, stale)
+        target, n = source + SUPERSEDED_SUFFIX, 1
+        while os.path.exists(target):
+            n += 1
+            target = f"{source}{SUPERSEDED_SUFFIX}-{n}"
+        os.rename(source, target)
+    if not newer:
+        return None
+    fsync_path(save)
+    names = ", ".join(os.path.basename(iteration_dir(save, i)) for i in newer)
+    return (
+        f"{save} held iterations newer than the {iteration} just saved, left by an earlier "
+        f"run: {names}; moved aside as <name>{SUPERSEDED_SUFFIX} (the tracker names {iteration})"
+    )

@@ -1,0 +1,96 @@
+"""What a load restores, decided in one place for every checkpoint format.
+
+The flags ask (`--finetune`: the weights only, progress restarts at 0; `--no-load-optim`,
+`--no-load-rng`), the checkpoint answers what it holds (optimizer state, random states, the
+layout it was saved at), and `plan_load` settles what is restored and the notes for the user.
+The format modules only read and write their files, as the plan says.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megapipe.checkpointing.run_state import Progress
+from megapipe.config import CheckpointConfig
+
+
+def describe(layout: dict | None) -> str:
+    """`TP2 x PP2 (2 virtual stages) over 8 ranks` for a saved layout record."""
+    if not layout:
+        return "an unknown layout"
+    text = f"TP{layout['tensor_model_parallel_size']} x PP{layout['pipeline_model_parallel_size']}"
+    if layout.get("virtual_pipeline_model_parallel_size", 1) > 1:
+        text += f" ({layout['virtual_pipeline_model_parallel_size']} virtual stages)"
+    return text + f" over {layout['world_size']} ranks"
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the flags ask a load for, before the checkpoint is looked at."""
+
+    weights_only: bool  # --finetune
+    optimizer: bool
+    rng: bool
+
+    @classmethod
+    def of(cls, checkpoint: CheckpointConfig) -> Request:
+        weights_only = checkpoint.finetune
+        return cls(
+            weights_only=weights_only,
+            optimizer=not (weights_only or checkpoint.no_load_optim),
+            rng=not (weights_only or checkpoint.no_load_rng),
+        )
+
+
+@dataclass(frozen=True)
+class Held:
+    """What a checkpoint says it holds (its common entries, in either format)."""
+
+    has_optimizer: bool
+    has_rng: bool
+    layout: dict | None  # the layout record it was saved at
+
+    @classmethod
+    def of(cls, entries: dict) -> Held:
+        return cls(
+            bool(entries.get("has_optimizer", False)),
+            bool(entries.get("has_rng", False)),
+            entries.get("layout"),
+        )
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """What one load restores (the model's weights always), and the notes to print."""
+
+    directory: str
+    iteration: int
+    weights_only: bool
+    optimizer: bool  # the optimizer's state and the loss scaler's
+    rng: bool  # the random states (per rank: only at the layout they were saved at)
+    notes: tuple[str, ...]
+
+    def progress(self, saved: Progress) -> Progress:
+        """Where training continues: the saved progress, or 0 after --finetune."""
+        return Progress(0, 0, 0, {}) if self.weights_only else saved
+
+
+def plan_load(
+    checkpoint: CheckpointConfig, directory: str, iteration: int, held: Held, layout: dict
+) -> LoadPlan:
+    """Settle what the load of `directory` restores into a run at `layout`."""
+    request = Request.of(checkpoint)
+    notes = [f"loading checkpoint from {directory} at iteration {iteration}"]
+    optimizer = request.optimizer
+    if optimizer and not held.has_optimizer:
+        notes.append(f"{directory} holds no optimizer state: the optimizer starts afresh")
+        optimizer = False
+    rng = request.rng and held.has_rng
+    if rng and held.layout != layout:
+        notes.append(
+            f"random states not restored: saved at {describe(held.layout)}, loading at "
+            f"{describe(layout)} (dropout masks depend on the samples only, so training is "
+            "unaffected)"
+        )
+        rng = False
+    return LoadPlan(directory, iteration, request.weights_only, optimizer, rng, tuple(notes))
