@@ -16,16 +16,12 @@ from collections.abc import Sequence
 
 import torch.distributed as dist
 
-from megapipe.activity import RankFailure
 from megapipe.arguments import PROG, parse_args
-from megapipe.checkpointing.errors import CheckpointError
 from megapipe.console import say
-from megapipe.data.errors import DataError
-from megapipe.errors import ConfigError, error_line, split_debug
+from megapipe.errors import ConfigError, run_cli
 from megapipe.parallel import ParallelState, initialize_distributed
 from megapipe.parallel.initialize import MAX_CONNECTIONS_VAR, max_connections_warning
 from megapipe.training import train
-from megapipe.training.step import NumericalFaultError
 
 
 def _world_size() -> int:
@@ -38,16 +34,17 @@ def _world_size() -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one rank of the job; returns the process exit status."""
-    argv, debug = split_debug(sys.argv[1:] if argv is None else argv)
-    try:
-        world_size = _world_size()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # reported below, once, from rank 0
-            configs = parse_args(argv, world_size)
-    except ConfigError as error:
-        say(error_line(PROG, error, debug))
-        return 2
+    """Run one rank of the job; returns the process exit status: any megapipe error ends it
+    with one line and the error's status (2 for a bad setting, 1 for bad data, a bad
+    checkpoint, a numerical fault or a failed peer; `--debug` adds the traceback)."""
+    return run_cli(PROG, _run, argv)
+
+
+def _run(argv: list[str]) -> int:
+    world_size = _world_size()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # reported below, once, from rank 0
+        configs = parse_args(argv, world_size)
     if os.environ.get("RANK", "0") == "0":
         for note in configs.warnings:
             say(f"{PROG}: warning: {note}")
@@ -69,12 +66,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size, device
         )
         train(configs, state)
-    except ConfigError as error:  # found once the device is known (a forced kernel missing)
-        say(error_line(PROG, error, debug))
-        return 2
-    except (NumericalFaultError, DataError, CheckpointError, RankFailure) as error:
-        say(error_line(PROG, error, debug))
-        return 1
     finally:
         dist.destroy_process_group()
     return 0

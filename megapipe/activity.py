@@ -17,26 +17,30 @@ from __future__ import annotations
 import statistics
 import time
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch.distributed as dist
 
+from megapipe.errors import PipelineCommError, RankFailure
+
 if TYPE_CHECKING:
     from megapipe.parallel.state import ParallelState
-    from megapipe.training.faults import FaultPlan
 
 STEP_HISTORY = 50  # step times the watchdog's median is taken over
 _COMPUTE_MOMENTS = ("forward", "backward", "weight-grad", "eval")
 
 
-class RankFailure(RuntimeError):
-    """A collective or transfer failed (a peer died or timed out): says where this rank was."""
+class FaultHook(Protocol):
+    """What an Activity fires planned faults through (training.faults.FaultPlan: training/
+    sits above this module, so it is named by what it does, not imported)."""
+
+    def at(self, moment: str, iteration: int) -> None: ...
 
 
 class Activity:
     """This rank's current phase and operation, its recent step times, and its fault plan."""
 
-    def __init__(self, state: ParallelState | None = None, faults: FaultPlan | None = None) -> None:
+    def __init__(self, state: ParallelState | None = None, faults: FaultHook | None = None) -> None:
         self.state = state
         self.faults = faults
         now = time.monotonic()
@@ -100,8 +104,6 @@ class Activity:
 
 def is_communication_failure(error: BaseException) -> bool:
     """A collective or transfer error (a peer died, a timeout), not a bug in this rank."""
-    from megapipe.pipeline.p2p import PipelineCommError
-
     if isinstance(error, (dist.DistError, PipelineCommError)):
         return True
     text = str(error)

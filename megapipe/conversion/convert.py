@@ -76,16 +76,17 @@ def model_config_from_args(args: dict[str, str], vocab_size: int) -> ModelConfig
     return ModelConfig(vocab_size=vocab_size, num_query_groups=groups, **kwargs)
 
 
-def resolve(load_dir: str) -> tuple[str, int]:
-    """(iteration directory, iteration) the tracker of `load_dir` names."""
+def resolve(load_dir: str, flag: str = "--load-dir") -> tuple[str, int]:
+    """(iteration directory, iteration) the tracker of `load_dir` names; errors name `flag`
+    (the calling tool's name for it: --load-dir here, --load for the generation tools)."""
     if not os.path.isdir(load_dir):
-        raise CheckpointError(f"--load-dir {load_dir}: no such directory")
+        raise CheckpointError(f"{flag} {load_dir}: no such directory")
     iteration = read_tracker(load_dir)
     if iteration is None:
-        raise CheckpointError(f"--load-dir {load_dir}: no latest_checkpointed_iteration.txt")
+        raise CheckpointError(f"{flag} {load_dir}: no latest_checkpointed_iteration.txt")
     directory = iteration_dir(load_dir, iteration)
     if not os.path.isdir(directory):
-        raise CheckpointError(f"--load-dir {load_dir}: {directory} does not exist")
+        raise CheckpointError(f"{flag} {load_dir}: {directory} does not exist")
     return directory, iteration
 
 

@@ -28,11 +28,11 @@ import torch
 
 from megapipe.atomic_files import fsync_path
 from megapipe.checkpointing import atomic_dir
-from megapipe.checkpointing.convert import Say, Source, read_source, resolve
 from megapipe.checkpointing.errors import CheckpointError
 from megapipe.checkpointing.hf_safetensors import DEFAULT_MAX_SHARD_SIZE, parse_size, write_weights
 from megapipe.checkpointing.hf_tokenizer import eod_id, write_tokenizer_files
 from megapipe.config import ModelConfig
+from megapipe.conversion.convert import Say, Source, read_source, resolve
 from megapipe.errors import ConfigError
 
 L = "decoder.layers."

@@ -14,14 +14,17 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import fields
 
 import torch
 
-from megapipe.arguments.validation import validate_model
-from megapipe.checkpointing.convert import Say, Source, write_source
 from megapipe.checkpointing.errors import CheckpointError
-from megapipe.checkpointing.hf_export import (
+from megapipe.checkpointing.hf_safetensors import read_weights
+from megapipe.checkpointing.run_state import Progress
+from megapipe.config import ModelConfig
+from megapipe.conversion.convert import Say, Source, write_source
+from megapipe.conversion.hf_export import (
     EXACT_GELUS,
     FC1,
     FC1_B,
@@ -43,9 +46,6 @@ from megapipe.checkpointing.hf_export import (
     WORD,
     join_qkv,
 )
-from megapipe.checkpointing.hf_safetensors import read_weights
-from megapipe.checkpointing.run_state import Progress
-from megapipe.config import ModelConfig
 from megapipe.errors import ConfigError
 
 ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
@@ -270,8 +270,12 @@ def config_args(config: ModelConfig) -> dict[str, str]:
     return args
 
 
-def read_config(directory: str) -> tuple[dict, ModelConfig]:
-    """The config.json of a transformers directory, and the ModelConfig it describes."""
+Validate = Callable[[ModelConfig], None]  # megapipe.arguments.validation.validate_model
+
+
+def read_config(directory: str, validate: Validate) -> tuple[dict, ModelConfig]:
+    """The config.json of a transformers directory, and the ModelConfig it describes, checked
+    by `validate` (the flags' own check, passed in: arguments sits above checkpointing)."""
     path = os.path.join(directory, "config.json")
     if not os.path.isfile(path):
         raise CheckpointError(f"--load-dir {directory}: no config.json")
@@ -287,15 +291,15 @@ def read_config(directory: str) -> tuple[dict, ModelConfig]:
     except (KeyError, TypeError, ValueError, AttributeError) as error:
         raise CheckpointError(f"{path}: lacks or mistypes {error}") from None
     try:
-        validate_model(config)
+        validate(config)
     except ConfigError as error:
         raise ConfigError(f"{path}: {error}") from None
     return hf, config
 
 
-def read_hf(directory: str) -> Source:
+def read_hf(directory: str, validate: Validate) -> Source:
     """A transformers GPT-2 or Llama directory as a megapipe `Source`."""
-    hf, config = read_config(directory)
+    hf, config = read_config(directory, validate)
     weights = read_weights(directory)
     check_tensors(weights, config, hf["model_type"], directory)
     tensors = _megapipe_tensors(weights, config, hf["model_type"])
@@ -309,8 +313,11 @@ def import_hf(
     pp: int = 1,
     fmt: str = "torch_dist",
     say: Say = print,
+    *,
+    validate: Validate,
 ) -> str:
-    """Import transformers directory `load_dir` as a megapipe checkpoint (iteration 0)."""
+    """Import transformers directory `load_dir` as a megapipe checkpoint (iteration 0);
+    `validate` checks the model it describes (pass `arguments.validation.validate_model`)."""
     if not os.path.isdir(load_dir):
         raise CheckpointError(f"--load-dir {load_dir}: no such directory")
-    return write_source(read_hf(load_dir), save_dir, tp, pp, fmt, 0, say)
+    return write_source(read_hf(load_dir, validate), save_dir, tp, pp, fmt, 0, say)

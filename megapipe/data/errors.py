@@ -6,8 +6,10 @@ any process group exists. Nothing here ever carries a traceback to the user.
 
 from __future__ import annotations
 
+from megapipe.errors import MegapipeError
 
-class DataError(ValueError):
+
+class DataError(MegapipeError, ValueError):
     """Bad input data or a bad data file. The message names the file (and line or offset)."""
 
 

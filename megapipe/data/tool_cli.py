@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
-from megapipe.data.errors import DataError
 from megapipe.data.tokenizers import TOKENIZER_TYPES, TokenizerSpec
-from megapipe.errors import error_line, split_debug
+from megapipe.errors import run_cli
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -52,14 +50,7 @@ def tokenizer_spec(args: argparse.Namespace) -> TokenizerSpec:
 
 
 def run_tool(prog: str, main: Callable[[Sequence[str] | None], int], argv=None) -> int:
-    """Run `main`; bad data becomes one line on stderr and exit status 1 (`--debug`, taken out
-    of argv here, prints the traceback first), Ctrl-C status 130."""
-    argv, debug = split_debug(sys.argv[1:] if argv is None else argv)
-    try:
-        return main(argv)
-    except (DataError, OSError) as error:  # bad input, or a full disk: one line, no output
-        print(error_line(prog, error, debug), file=sys.stderr, flush=True)
-        return 1
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted; no output written", file=sys.stderr, flush=True)
-        return 130
+    """Run `main`; bad data (any megapipe error, status 1 for a DataError) or a full disk
+    (OSError, status 1) becomes one line on stderr and no output (`--debug`, taken out of argv
+    here, prints the traceback first), Ctrl-C status 130."""
+    return run_cli(prog, main, argv, also=(OSError,), interrupted="interrupted; no output written")

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from megapipe.activity import Activity
 from megapipe.kernels.weight_grad_gemm import accumulate_weight_grad
 from megapipe.layers.weight_grad import pending_weight_grads, rows_to_grad, weight_grad_claims
-from megapipe.parallel.mappings import _all_gather_single, _reduce_scatter_single
+from megapipe.parallel.mappings import all_gather_single, reduce_scatter_single
 from megapipe.parallel.state import Group
 
 DEFAULT_BUCKET_SIZE = 40_000_000  # elements, Megatron-LM's default for --ddp-bucket-size
@@ -221,7 +221,7 @@ class GradBuffer:
         data.div_(self.dp.size)
         if self.shard:
             bucket.scattered = torch.empty_like(data[: data.numel() // self.dp.size])
-            bucket.work = _reduce_scatter_single(
+            bucket.work = reduce_scatter_single(
                 bucket.scattered, data, group=self.dp.pg, async_op=True
             )
         else:
@@ -274,7 +274,7 @@ class GradBuffer:
             lo, hi = bucket.shard_range(self.dp)
             mine = self.param_data[lo:hi].clone()
             out = self.param_data[bucket.start : bucket.end]
-            work = _all_gather_single(out, mine, group=self.dp.pg, async_op=async_op)
+            work = all_gather_single(out, mine, group=self.dp.pg, async_op=async_op)
             if async_op:
                 bucket.gathering = (work, mine)
 

@@ -25,6 +25,7 @@ from megapipe.config import OptimizerConfig
 from megapipe.distributed.grad_buffer import GradBuffer
 from megapipe.distributed.grad_norm import counted_in_norm, sum_of_squares
 from megapipe.distributed.loss_scaler import found_inf_or_nan
+from megapipe.errors import MegapipeError
 from megapipe.parallel.state import ParallelState
 
 SPIKE_WINDOW = 100  # iterations in --check-for-spiky-loss's running mean
@@ -40,7 +41,7 @@ class Piece:
     hi: int
 
 
-class NonFiniteGradient(RuntimeError):
+class NonFiniteGradient(MegapipeError, RuntimeError):
     """The global gradient norm is NaN/Inf (no loss scaler): raised before any update."""
 
     def __init__(self, norm: float, ranks: list[int], params: list[torch.nn.Parameter]) -> None:

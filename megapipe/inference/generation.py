@@ -20,15 +20,16 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megapipe.inference.kv_cache import KVCache
+from megapipe.errors import MegapipeError
 from megapipe.inference.loading import InferenceModel
 from megapipe.inference.sampling import SamplingOptions, sample
+from megapipe.model.kv_cache import KVCache
 from megapipe.parallel.mappings import all_gather_along
 
 GREEDY = SamplingOptions(greedy=True)
 
 
-class GenerationError(ValueError):
+class GenerationError(MegapipeError, ValueError):
     """A prompt or request generation cannot serve; the message names it."""
 
 

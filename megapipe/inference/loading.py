@@ -16,7 +16,12 @@ from dataclasses import dataclass
 import torch
 
 from megapipe.checkpointing import legacy_torch
-from megapipe.checkpointing.convert import (
+from megapipe.checkpointing.errors import CheckpointError
+from megapipe.checkpointing.layout_free import model_shards
+from megapipe.checkpointing.torch_dist import load_common, load_sharded, read_metadata
+from megapipe.checkpointing.tracker import iteration_dir
+from megapipe.config import ModelConfig
+from megapipe.conversion.convert import (
     WORD_EMBEDDING,
     _fill,
     check_target,
@@ -24,11 +29,6 @@ from megapipe.checkpointing.convert import (
     read_legacy,
     resolve,
 )
-from megapipe.checkpointing.errors import CheckpointError
-from megapipe.checkpointing.layout_free import model_shards
-from megapipe.checkpointing.torch_dist import load_common, load_sharded, read_metadata
-from megapipe.checkpointing.tracker import iteration_dir
-from megapipe.config import ModelConfig
 from megapipe.model.gpt import GPTModel
 from megapipe.parallel.random import RNGTracker
 from megapipe.parallel.state import ParallelState
@@ -60,7 +60,7 @@ class InferenceModel:
 def checkpoint_directory(load_dir: str, ckpt_step: int | None = None) -> str:
     """The iteration directory `--load` (and `--ckpt-step`) name; CheckpointError if none."""
     if ckpt_step is None:
-        return resolve(load_dir)[0]
+        return resolve(load_dir, "--load")[0]
     directory = iteration_dir(load_dir, ckpt_step)
     if not os.path.isdir(directory):
         raise CheckpointError(f"--ckpt-step {ckpt_step}: {directory} does not exist")

@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from megapipe.console import say
 from megapipe.data.tokenizers.base import Tokenizer
+from megapipe.errors import MegapipeError
 from megapipe.inference.generation import Generation, GenerationError, generate
 from megapipe.inference.loading import InferenceModel
 from megapipe.inference.sampling import SamplingOptions
@@ -59,7 +60,7 @@ HEARTBEAT_S = 60.0  # well inside the process group's timeout (10 min)
 Say = Callable[[str], None]
 
 
-class ServerError(RuntimeError):
+class ServerError(MegapipeError, RuntimeError):
     """The server cannot start (address in use, ...) or had to stop; the message says why."""
 
 

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from megapipe.data.errors import TokenizerError
+from megapipe.errors import MegapipeError
 from megapipe.inference.sampling import SamplingOptions
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p")
@@ -39,7 +40,7 @@ MAX_TEMPERATURE = 100.0  # Megatron's bound
 DEFAULT_TOKENS_TO_GENERATE = 64  # Megatron's
 
 
-class RequestError(ValueError):
+class RequestError(MegapipeError, ValueError):
     """A request the server refuses: `status` (400, 411, 413) and the reason, naming the field."""
 
     def __init__(self, status: int, reason: str) -> None:

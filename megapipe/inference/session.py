@@ -11,11 +11,12 @@ writes token ids, space-separated, as Megatron's NullTokenizer, and never stops 
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 
 import torch
 
-from megapipe.checkpointing.hf_tokenizer import saved_tokenizer
+from megapipe.checkpointing.hf_tokenizer import SavedTokenizer, saved_tokenizer
 from megapipe.console import say
 from megapipe.data.errors import TokenizerError
 from megapipe.data.tokenizers.base import TOKENIZER_TYPES, Tokenizer, TokenizerSpec
@@ -86,21 +87,71 @@ class Session:
             raise GenerationError(f"{what} {text[:40]!r}: {error}") from None
 
 
+SENTENCEPIECE_TYPES = ("GPTSentencePieceTokenizer", "SentencePieceTokenizer")
+MODEL_FILE_TYPES = (*SENTENCEPIECE_TYPES, "HuggingFaceTokenizer")
+
+
+def session_tokenizer_spec(args: argparse.Namespace, saved: SavedTokenizer) -> TokenizerSpec | None:
+    """The tokenizer to talk to the model with, or None for token ids (NullTokenizer at the
+    model's vocabulary). Flags given override the checkpoint's one by one while they name the
+    same type: `--tokenizer-model PATH` alone is the checkpoint's tokenizer type from PATH.
+    GenerationError naming what is missing, and where a missing file's path came from."""
+    given = SavedTokenizer(*(getattr(args, name) for name in TOKENIZER_FLAGS))
+    kind = given.kind
+    if kind is None and given.vocab and given.merges:
+        kind = "GPT2BPETokenizer"
+    if kind is None and given.model and saved.kind not in MODEL_FILE_TYPES:
+        raise GenerationError(
+            f"--tokenizer-model {given.model}: the checkpoint's tokenizer "
+            f"({saved.kind or 'none'}) takes no model file; add --tokenizer-type "
+            f"({', '.join(MODEL_FILE_TYPES)})"
+        )
+    one_of_two = (given.vocab is None) != (given.merges is None)
+    if kind is None and one_of_two and saved.kind != "GPT2BPETokenizer":
+        raise GenerationError("--vocab-file and --merge-file go together (GPT2BPETokenizer)")
+    from_checkpoint = kind is None or kind == saved.kind  # its files, unless flags override
+    if not from_checkpoint:
+        _, model_file, vocab_file, merge_file, vocab_size = given
+    else:
+        kind = saved.kind
+        model_file, vocab_file, merge_file, vocab_size = (
+            mine if mine is not None else theirs for mine, theirs in zip(given[1:], saved[1:])
+        )
+        if kind in SENTENCEPIECE_TYPES and given.model is None:
+            _require_saved(model_file, "tokenizer model", "--tokenizer-model")
+        if kind == "GPT2BPETokenizer":
+            if given.vocab is None:
+                _require_saved(vocab_file, "vocab file", "--vocab-file")
+            if given.merges is None:
+                _require_saved(merge_file, "merge file", "--merge-file")
+    if kind is None:  # trained without a tokenizer: token ids in, token ids out
+        return None
+    return TokenizerSpec(kind, model_file, vocab_file, merge_file, vocab_size)
+
+
+def _require_saved(path: str | None, what: str, flag: str) -> None:
+    """GenerationError when a file the checkpoint names is not there, saying where it came from."""
+    if path is None or os.path.exists(path):
+        return
+    if os.path.isabs(path):
+        missing = f"{path} (saved by the training run) is missing"
+    else:  # an older checkpoint: the path as given at launch
+        missing = (
+            f"{path} (saved by the training run, relative to the directory it was launched "
+            f"in) is not under {os.getcwd()}"
+        )
+    raise GenerationError(f"the checkpoint's {what} {missing}; pass {flag} PATH")
+
+
 def build_session_tokenizer(
     args: argparse.Namespace, model: InferenceModel
 ) -> tuple[Tokenizer, int | None]:
     """The tokenizer the flags name, else the checkpoint's; and the EOD id to stop at."""
-    flags = [getattr(args, name) for name in TOKENIZER_FLAGS]
-    if any(value is not None for value in flags):
-        kind, model_file, vocab_file, merge_file, vocab_size_flag = flags
-        if kind is None and vocab_file and merge_file:
-            kind = "GPT2BPETokenizer"
-    else:
-        kind, model_file, vocab_file, merge_file, vocab_size_flag = saved_tokenizer(model.args)
     vocab = model.config.vocab_size
-    if kind is None:  # trained without a tokenizer: token ids in, token ids out
+    spec = session_tokenizer_spec(args, saved_tokenizer(model.args))
+    if spec is None:
         return NullTokenizer(vocab), None
-    spec = TokenizerSpec(kind, model_file, vocab_file, merge_file, vocab_size_flag)
+    kind = spec.tokenizer_type
     tokenizer = build_tokenizer(spec)
     if tokenizer.vocab_size > vocab:
         raise GenerationError(

@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from megapipe.parallel.mappings import _all_gather_single
+from megapipe.parallel.mappings import all_gather_single
 from megapipe.parallel.state import Group
 
 
@@ -33,7 +33,7 @@ def combine_over_tp(
     """
     stats = torch.stack([row_max, sum_exp, target_logit])
     gathered = stats.new_empty((group.size * stats.numel(),))
-    _all_gather_single(gathered, stats.reshape(-1), group=group.pg)
+    all_gather_single(gathered, stats.reshape(-1), group=group.pg)
     gathered = gathered.view(group.size, *stats.shape)
     maxes = gathered[:, 0]
     global_max = maxes.max(dim=0).values

@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 
 from megapipe.config import ModelConfig
-from megapipe.inference.kv_cache import KVCache
 from megapipe.layers.linear import ColumnParallelLinear, RowParallelLinear
 from megapipe.model.attention_backends import (
     FLASH_ATTN,
@@ -33,6 +32,7 @@ from megapipe.model.attention_backends import (
     sdpa_context,
 )
 from megapipe.model.dropout import LogicalDropout
+from megapipe.model.kv_cache import KVCache
 from megapipe.model.recompute import recompute, wanted
 from megapipe.model.rotary import RotaryEmbedding
 from megapipe.parallel.random import RNGTracker

@@ -13,7 +13,6 @@ import torch
 import torch.nn.functional as F
 
 from megapipe.config import KernelConfig, ModelConfig, RecomputeConfig
-from megapipe.inference.kv_cache import KVCache
 from megapipe.kernels.cross_entropy import chunked_cross_entropy
 from megapipe.kernels.dispatch import KernelChoices
 from megapipe.layers.cross_entropy import vocab_parallel_cross_entropy
@@ -25,6 +24,7 @@ from megapipe.model.dropout import EMBEDDING_LAYER, LogicalDropout
 from megapipe.model.fused_ops import fused
 from megapipe.model.fused_ops import kernel_choices as kernel_choices_for
 from megapipe.model.initialization import initialize_parameters
+from megapipe.model.kv_cache import KVCache
 from megapipe.model.recompute import recompute, recomputed_groups, wanted
 from megapipe.model.rotary import RotaryEmbedding
 from megapipe.model.te_layers import chunk_fp8_scope

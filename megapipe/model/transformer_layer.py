@@ -10,13 +10,13 @@ import torch
 import torch.nn.functional as F
 
 from megapipe.config import KernelConfig, ModelConfig, RecomputeConfig
-from megapipe.inference.kv_cache import KVCache
 from megapipe.kernels.dispatch import KernelChoices
 from megapipe.kernels.transformer_engine import FP8Scope
 from megapipe.layers.norms import build_norm
 from megapipe.model.attention import SelfAttention
 from megapipe.model.dropout import LogicalDropout
 from megapipe.model.fused_ops import fused
+from megapipe.model.kv_cache import KVCache
 from megapipe.model.mlp import MLP
 from megapipe.model.recompute import recompute, wanted
 from megapipe.model.rotary import RotaryEmbedding

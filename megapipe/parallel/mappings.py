@@ -34,12 +34,14 @@ from megapipe.parallel.state import Group
 
 # torch >= 2.13 renamed the single-tensor collectives; keep working on older releases too. Looked
 # up at each call, so that whatever wraps torch.distributed (a profiler, a test's counter) sees it.
-def _all_gather_single(out: torch.Tensor, x: torch.Tensor, *, group, async_op: bool = False):
+def all_gather_single(out: torch.Tensor, x: torch.Tensor, *, group, async_op: bool = False):
+    """Gather the group's `x` into `out` (no autograd; the layers' and buffers' raw collective)."""
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return fn(out, x, group=group, async_op=async_op)
 
 
-def _reduce_scatter_single(out: torch.Tensor, x: torch.Tensor, *, group, async_op: bool = False):
+def reduce_scatter_single(out: torch.Tensor, x: torch.Tensor, *, group, async_op: bool = False):
+    """Sum the group's `x` and keep this rank's slice in `out` (no autograd)."""
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return fn(out, x, group=group, async_op=async_op)
 
@@ -67,7 +69,7 @@ def all_gather_along(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     """Concatenate every rank's `x` along `dim`, in rank order."""
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((x.shape[0] * group.size, *x.shape[1:]))
-    _all_gather_single(out, x, group=group.pg)
+    all_gather_single(out, x, group=group.pg)
     return out.movedim(0, dim).contiguous()
 
 
@@ -80,7 +82,7 @@ def reduce_scatter_along(x: torch.Tensor, dim: int, group: Group) -> torch.Tenso
         )
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((x.shape[0] // group.size, *x.shape[1:]))
-    _reduce_scatter_single(out, x, group=group.pg)
+    reduce_scatter_single(out, x, group=group.pg)
     return out.movedim(0, dim).contiguous()
 
 
@@ -111,7 +113,7 @@ def start_all_gather_sequence(x: torch.Tensor, group: Group) -> Pending:
         return Pending(x)
     x = x.contiguous()
     out = x.new_empty((x.shape[0] * group.size, *x.shape[1:]))
-    return Pending(out, _all_gather_single(out, x, group=group.pg, async_op=True))
+    return Pending(out, all_gather_single(out, x, group=group.pg, async_op=True))
 
 
 def start_reduce_scatter_sequence(x: torch.Tensor, group: Group) -> Pending:
@@ -124,7 +126,7 @@ def start_reduce_scatter_sequence(x: torch.Tensor, group: Group) -> Pending:
         )
     x = x.contiguous()
     out = x.new_empty((x.shape[0] // group.size, *x.shape[1:]))
-    return Pending(out, _reduce_scatter_single(out, x, group=group.pg, async_op=True))
+    return Pending(out, reduce_scatter_single(out, x, group=group.pg, async_op=True))
 
 
 class _CopyToRegion(torch.autograd.Function):

@@ -36,12 +36,9 @@ import torch
 import torch.distributed as dist
 
 from megapipe.activity import Activity
+from megapipe.errors import PipelineCommError
 from megapipe.parallel.state import Group, ParallelState, PipelineLink
 from megapipe.pipeline.schedules import P2P, p2p_link
-
-
-class PipelineCommError(RuntimeError):
-    """A transfer with a neighbouring stage failed or timed out."""
 
 
 @dataclass

@@ -30,6 +30,7 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from megapipe.errors import MegapipeError
 from megapipe.pipeline.schedules import (
     FORWARD_ONLY,
     P2P,
@@ -46,7 +47,7 @@ Ordering = Literal["gloo", "nccl"]
 ORDERINGS: tuple[Ordering, ...] = ("gloo", "nccl")
 
 
-class ScheduleError(RuntimeError):
+class ScheduleError(MegapipeError, RuntimeError):
     """The action lists deadlock, miss work, or compute before their inputs arrive."""
 
 

@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from megapipe.errors import MegapipeError
 from megapipe.pipeline.schedules import SCHEDULE_KINDS, ZERO_BUBBLE_KINDS, Compute
 from megapipe.pipeline.simulator import Simulation, replay, simulate_kind
 from megapipe.pipeline.trace import TRACE_CATEGORIES
@@ -20,7 +21,7 @@ from megapipe.pipeline.trace import TRACE_CATEGORIES
 BoxKind = Literal["F", "B", "W", "comm"]
 
 
-class TraceFormatError(ValueError):
+class TraceFormatError(MegapipeError, ValueError):
     """A trace file that is not a pipeline Chrome trace, or lacks the requested step."""
 
 

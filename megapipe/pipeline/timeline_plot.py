@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 
 from megapipe.atomic_files import atomic_write
+from megapipe.errors import ConfigError
 from megapipe.pipeline.timeline import Timeline
 
 FONT_PT = 8.0
@@ -58,7 +59,8 @@ def _label_size(label: str, box_width_pt: float) -> float | None:
 
 
 def draw_timeline(timeline: Timeline, path: str, *, width_in: float = 14.0, dpi: int = 130) -> None:
-    """Write `timeline` as a PNG at `path` (atomically: a temporary file, then a rename)."""
+    """Write `timeline` at `path` in the format its suffix names, PNG without one (atomically:
+    a temporary file, then a rename)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch, Rectangle
@@ -142,7 +144,26 @@ def draw_timeline(timeline: Timeline, path: str, *, width_in: float = 14.0, dpi:
     _save_png(fig, path)
 
 
+def image_format(path: str) -> str:
+    """The image format `path`'s suffix names (png without one); ConfigError for a suffix
+    matplotlib cannot write, before anything is drawn."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    suffix = os.path.splitext(path)[1][1:].lower()
+    if not suffix:
+        return "png"
+    known = FigureCanvasBase.get_supported_filetypes()
+    if suffix not in known:
+        raise ConfigError(
+            f"--output {path}: matplotlib writes no .{suffix} files; use one of "
+            f"{', '.join('.' + name for name in sorted(known))}"
+        )
+    return suffix
+
+
 def _save_png(fig, path: str) -> None:
+    """Write the figure in the format the suffix names (PNG without one)."""
+    fmt = image_format(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with atomic_write(path) as temp, open(temp, "wb") as f:
-        fig.savefig(f, format="png")
+        fig.savefig(f, format=fmt)
