@@ -1,4 +1,7 @@
-"""Install megapipe: `pip install torch==2.13.0 && pip install -e ".[dev]"` on a CPU machine."""
+"""Install megapipe: torch first, then `pip install -e .` (the demo) or `pip install -e ".[dev]"`
+(the tests). On a CPU-only machine take torch from PyTorch's CPU wheel index:
+`pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu` (PyPI's Linux
+torch is the CUDA build, with its ~17 nvidia-* packages)."""
 
 from setuptools import find_packages, setup
 
@@ -8,8 +11,9 @@ setup(
     description="Megatron-style 3D-parallel GPT training in plain PyTorch, with a real CPU mode",
     packages=find_packages(include=["megapipe", "megapipe.*"]),
     python_requires=">=3.10",
-    # A range, not a pin: the CPU wheel torch==2.13.0 satisfies it, so an already-installed CPU
-    # torch is kept and pip never pulls a multi-GB CUDA build on a CPU machine.
+    # A range, not a pin: whatever torch was installed first (the CPU wheel, 2.13.0+cpu, or a
+    # CUDA build) satisfies it and is kept. Everything the demo needs is here; [dev] is for
+    # the tests (it adds transformers, megatron-core and triton: ~2 GB).
     install_requires=[
         "torch>=2.4,<3",
         "numpy>=1.24",

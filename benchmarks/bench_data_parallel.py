@@ -54,8 +54,8 @@ from megapipe.data.sources import build_batch_source
 from megapipe.layers.cross_entropy import masked_mean
 from megapipe.parallel.state import ParallelState
 from megapipe.testing import run_distributed
-from megapipe.training.stepper import Stepper
-from megapipe.training.train import build_model_chunks_for
+from megapipe.training.build import build_model_chunks_for
+from megapipe.training.step_by_step import Stepper
 
 DEFAULT_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "data_parallel.json")
 VARIANT_FLAGS = {

@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 
 from megapipe.atomic_files import write_json
-from megapipe.checkpointing.convert import check_target
 from megapipe.config import ModelConfig
+from megapipe.conversion.convert import check_target
 from megapipe.inference.generation import generate
 from megapipe.inference.loading import InferenceModel
 from megapipe.model.gpt import GPTModel

@@ -3,7 +3,7 @@
 megapipe runs as users run it: `python pretrain_gpt.py --bf16 --attention-backend flash ...` on
 mock data, with the fused kernels dispatch picks on the GPU (the log's `kernels:` line says
 which); its time per iteration is the log line's `elapsed time per iteration`. The plain model
-(`megapipe/reference_gpt.py`: torch.nn modules, scaled_dot_product_attention, no fusions) is
+(`megapipe/testing/reference_gpt.py`: torch.nn modules, scaled_dot_product_attention, no fusions) is
 trained here the way plain PyTorch does mixed precision: fp32 weights under
 `torch.autocast(bfloat16)`, fused AdamW, the same micro-batches and gradient accumulation, an
 iteration timed wall-clock to a CUDA synchronise. Both skip `--warmup` iterations and report
@@ -91,7 +91,7 @@ def plain_times(size: Size, iters: int, device) -> list[float]:
     AdamW step, zero_grad; bf16 autocast on CUDA, fp32 on CPU."""
     import torch
 
-    from megapipe.reference_gpt import PlainGPT
+    from megapipe.testing.reference_gpt import PlainGPT
 
     torch.manual_seed(0)
     with device:  # initialised where it runs (1.3B normal draws on a CPU take a while)

@@ -40,7 +40,8 @@ if not torch.cuda.is_available():  # before anything imports Triton
 
 from megapipe.atomic_files import write_json  # noqa: E402
 from megapipe.kernels.availability import Availability, detect, triton_probe  # noqa: E402
-from megapipe.kernels.cases import (  # noqa: E402
+from megapipe.kernels.dispatch import IMPLEMENTATIONS, REQUIRES  # noqa: E402
+from megapipe.testing.kernel_cases import (  # noqa: E402
     CASES,
     CPU_SIZES,
     Case,
@@ -50,7 +51,6 @@ from megapipe.kernels.cases import (  # noqa: E402
     leaves,
     max_error,
 )
-from megapipe.kernels.dispatch import IMPLEMENTATIONS, REQUIRES  # noqa: E402
 
 DEFAULT_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "kernels.json")
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}

@@ -3,7 +3,7 @@
 Both models compute the same math ([s, b, h] activations, learned absolute positions, pre-norm
 LayerNorm, fused QKV with bias, causal scaled_dot_product_attention, GeLU MLP of 4h, residuals,
 final LayerNorm, output layer tied to the word embedding, cross-entropy) with the same size, the
-same weights (the plain model, `megapipe/reference_gpt.py`, is loaded from megapipe's
+same weights (the plain model, `megapipe/testing/reference_gpt.py`, is loaded from megapipe's
 initialisation), the same inputs and the same thread count. One timed step is forward +
 backward + Adam step + zero_grad.
 
@@ -31,7 +31,7 @@ from round_args import add_round_args, parse_round_args
 from torch import nn
 
 from megapipe.atomic_files import write_json
-from megapipe.reference_gpt import PlainGPT, copy_weights
+from megapipe.testing.reference_gpt import PlainGPT, copy_weights
 
 # --------------------------------------------------------------------------------------------
 # Building both models from one configuration.

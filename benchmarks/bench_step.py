@@ -4,7 +4,7 @@ megapipe's side is what `pretrain_gpt.py` runs every iteration: the mock-data re
 executor over the micro-batches, the GradBuffer (main_grad accumulation and bucket
 bookkeeping), finalize_model_grads, the global loss, the ShardedOptimizer's norm, clipping,
 NaN check and AdamW step, zero_grad. The plain side is the loop a PyTorch user writes for the
-same math: `megapipe/reference_gpt.py`'s PlainGPT with megapipe's initial weights,
+same math: `megapipe/testing/reference_gpt.py`'s PlainGPT with megapipe's initial weights,
 `torch.optim.AdamW` (weight decay on the matrices only, as Megatron), `clip_grad_norm_`, the
 same batches from the same MockGPTDataset, `loss.item()` per micro-batch.
 
@@ -65,7 +65,7 @@ class MegapipeStep:
     def __init__(self, flags: list[str], world_size: int = 1, state=None) -> None:
         from megapipe.arguments import parse_args
         from megapipe.parallel.state import ParallelState
-        from megapipe.training.stepper import Stepper
+        from megapipe.training.step_by_step import Stepper
 
         configs = parse_args(flags, world_size)
         parallel = configs.parallel
@@ -88,7 +88,7 @@ class PlainStep:
     """The same step written with plain PyTorch: PlainGPT, AdamW, clip_grad_norm_."""
 
     def __init__(self, args: argparse.Namespace, megapipe: MegapipeStep) -> None:
-        from megapipe.reference_gpt import reference_from_megapipe
+        from megapipe.testing.reference_gpt import reference_from_megapipe
 
         self.model = reference_from_megapipe(megapipe.chunks[0]).train()
         params = list(self.model.parameters())

@@ -52,8 +52,8 @@ from megapipe.model.activation_memory import saved_activation_bytes
 from megapipe.parallel import mappings
 from megapipe.parallel.random import RNGTracker
 from megapipe.parallel.state import ParallelState
-from megapipe.parity import relative_error
 from megapipe.testing import run_distributed
+from megapipe.testing.parity import relative_error
 
 DEFAULT_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "tp_linear.json")
 VARIANTS = ("autograd", "owned", "owned-no-overlap", "owned-deferred")

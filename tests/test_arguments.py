@@ -11,33 +11,7 @@ import torch
 
 from megapipe.arguments import NO_DATASET, parse_args
 from megapipe.errors import ConfigError
-
-
-def argv(**flags: object) -> list[str]:
-    """A valid tiny run, with `flags` (underscores for dashes) added or overriding.
-
-    True adds a switch, None drops a flag.
-    """
-    base: dict[str, object] = {
-        "num_layers": 2,
-        "hidden_size": 64,
-        "num_attention_heads": 4,
-        "seq_length": 32,
-        "micro_batch_size": 2,
-        "train_iters": 10,
-        "lr": 1e-3,
-        "mock_data": True,
-        "vocab_size": 256,
-    }
-    base.update(flags)
-    out: list[str] = []
-    for name, value in base.items():
-        if value is None or value is False:
-            continue
-        out.append("--" + name.replace("_", "-"))
-        if value is not True:
-            out.append(str(value))
-    return out
+from tests.helpers import argv
 
 
 def error(world_size: int = 1, **flags: object) -> str:

@@ -11,9 +11,9 @@ import torch
 from megapipe.arguments import parse_args
 from megapipe.config import KernelConfig, ModelConfig
 from megapipe.errors import ConfigError
-from megapipe.inference.kv_cache import KVCache
 from megapipe.model.attention_backends import check_attention_backend
 from megapipe.model.gpt import GPTModel
+from megapipe.model.kv_cache import KVCache
 from megapipe.parallel.random import RNGTracker
 from megapipe.parallel.state import ParallelState
 from megapipe.testing import run_distributed, train_with_flags

@@ -70,6 +70,7 @@ def killed_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Job, Path]:
     return Job(status, job.text("stdout"), job.text("stderr")), save
 
 
+@pytest.mark.slow
 def test_every_kill_fired_and_the_job_still_succeeded(killed_job) -> None:
     job, _ = killed_job
     assert job.returncode == 0, job.stderr[-3000:]
@@ -78,6 +79,7 @@ def test_every_kill_fired_and_the_job_still_succeeded(killed_job) -> None:
         assert line in job.stderr, job.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_each_restart_resumed_from_the_latest_complete_checkpoint(killed_job) -> None:
     job, save = killed_job
     # the first attempt starts from scratch (an empty --load); each later one loads the
@@ -90,6 +92,7 @@ def test_each_restart_resumed_from_the_latest_complete_checkpoint(killed_job) ->
     assert leftovers == []
 
 
+@pytest.mark.slow
 def test_losses_after_each_resume_equal_the_unkilled_runs_digit_for_digit(
     killed_job, reference
 ) -> None:
@@ -105,6 +108,7 @@ def test_losses_after_each_resume_equal_the_unkilled_runs_digit_for_digit(
     assert iterations == set(range(1, TRAIN_ITERS + 1))
 
 
+@pytest.mark.slow
 def test_survivors_name_the_operation_they_were_in(killed_job) -> None:
     job, _ = killed_job
     errors = [line for line in job.stderr.splitlines() if line.startswith("pretrain_gpt.py: error")]

@@ -1,10 +1,11 @@
 """The bad-input catalogue: every input megapipe refuses, the one line it prints, and the fix.
 
 Each row is a `Bad`: what the input is, a fragment of the one line that names it (the flag,
-file, line or offset), and what the user should do (the README's troubleshooting table is this
-catalogue: `python -m tests.test_bad_input` prints it). Rows whose rejection path is already
-tested one-for-one elsewhere name that test (`tested=`) instead of running it twice; a test here
-checks that the named test exists and holds the message. Everything else runs here:
+file, line or offset), and what the user should do (docs/troubleshooting.md's error tables are
+this catalogue: `python tools/gen_troubleshooting.py` writes them, tests/test_docs.py checks
+them). Rows whose rejection path is already tested one-for-one elsewhere name that test
+(`tested=`) instead of running it twice; a test here checks that the named test exists and
+holds the message. Everything else runs here:
 
 - flags, in process through `parse_args` (what `pretrain_gpt.main` calls, before any process
   group exists: every rank prints the same line and exits 2);
@@ -49,9 +50,7 @@ from megapipe.checkpointing.torch_dist import load_common, load_sharded, save_sh
 from megapipe.data.indexed_builder import IndexedDatasetBuilder
 from megapipe.data.tool_cli import run_tool
 from megapipe.errors import ConfigError, flag
-from tests.test_arguments import argv
-from tests.test_pretrain_cli import _env as pretrain_env
-from tests.test_torch_dist import _Evil, _refresh_checksums
+from tests.helpers import Evil, argv, pretrain_env, refresh_checksums
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
@@ -76,7 +75,7 @@ def one_line(message: str) -> str:
 
 
 # --- flags ----------------------------------------------------------------------------------
-# (row, flags for tests.test_arguments.argv, extra raw argv, world size). The base run is tiny:
+# (row, flags for tests.helpers.argv, extra raw argv, world size). The base run is tiny:
 # 2 layers, hidden 64, 4 heads, seq 32, micro-batch 2, 10 iterations, mock data, vocabulary 256.
 
 ELSEWHERE_FLAGS = [
@@ -223,7 +222,7 @@ ELSEWHERE_FLAGS = [
         "latest_checkpointed_iteration.txt, or drop the flag to start from scratch",
         "tests/test_checkpoint_resume.py::test_load_errors_are_one_line"),
     Bad("--ckpt-step naming an iteration that was not saved", "does not exist",
-        "pick an iteration that exists (ls the --load directory)",
+        "pick one of the iterations the line lists as saved there",
         "tests/test_checkpoint_resume.py::test_load_errors_are_one_line"),
 ]  # fmt: skip
 
@@ -872,9 +871,9 @@ def _load_legacy_unverified(directory: Path) -> None:
 
 
 def _evil_legacy(directory: Path) -> None:
-    torch.save({"iteration": 1, "x": _Evil(str(directory.parent / "pwned"))},
+    torch.save({"iteration": 1, "x": Evil(str(directory.parent / "pwned"))},
                directory / "model_optim_rng.pt")  # fmt: skip
-    _refresh_checksums(directory)
+    refresh_checksums(directory)
 
 
 CHECKPOINT_CASES: list[tuple[Bad, str, Callable[[Path], None], Callable[[Path], None]]] = [
@@ -1027,6 +1026,7 @@ def programs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return {"cases": cases, "before": before, "done": done}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(SCRIPTS))
 def test_each_program_fails_with_one_line_and_writes_nothing(programs, name: str) -> None:
     case: Program = programs["cases"][name]
@@ -1104,8 +1104,8 @@ SITE_FILES = [
     *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "megapipe" / "arguments").glob("*.py")),
     "megapipe/training/lr_schedule.py", "megapipe/training/batch_size.py",
     "megapipe/pipeline/partition.py", "megapipe/pipeline/schedules.py",
-    "megapipe/checkpointing/checkpointer.py", "megapipe/data/splits.py",
-    "megapipe/data/blending.py",
+    "megapipe/checkpointing/checkpointer.py", "megapipe/checkpointing/tracker.py",
+    "megapipe/data/splits.py", "megapipe/data/blending.py",
 ]  # fmt: skip
 # Sites no flag can reach (a check above them refuses first, or only a library caller can).
 UNREACHABLE = {
@@ -1187,8 +1187,8 @@ def test_every_row_is_described_once() -> None:
 
 
 def troubleshooting_table() -> str:
-    """The catalogue as the README's troubleshooting rows (`| you see | what to do |`), one
-    table per kind of input."""
+    """The catalogue as troubleshooting rows (`| you see | what to do |`), one table per kind
+    of input (docs/troubleshooting.md is rendered by tools/gen_troubleshooting.py)."""
     out = []
     for group, rows in CATALOGUE.items():
         out += [f"**{group}**", "", "| you see | what to do |", "|---|---|"]

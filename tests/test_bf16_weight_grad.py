@@ -6,7 +6,7 @@ a weight gradient when it contracts over the step's tokens into a linear weight'
 of the five linears (QKV, proj, fc1, fc2, the output layer) has one per micro-batch, and none
 may run in fp32 (megapipe used to widen both factors to fp32: 10 fp32 GEMMs in this step).
 The main_grads must stay within bf16 tolerance of an independent fp32 reference: the plain
-PyTorch GPT (`megapipe.reference_gpt`) on fp32 copies of the same weights and batches.
+PyTorch GPT (`megapipe.testing.reference_gpt`) on fp32 copies of the same weights and batches.
 Tolerance 3e-2 (max error over the largest entry, per parameter): the bf16 forward rounds every
 activation to 8 bits (2^-9 each), and the backward compounds a few such roundings. Measured
 (CPU, torch 2.13): worst 1.25e-2 (the input norm's weight, which no GEMM of ours computes),
@@ -43,9 +43,9 @@ from megapipe.model import GPTModel
 from megapipe.model.initialization import full_tensor, initialize_parameters
 from megapipe.parallel.random import RNGTracker
 from megapipe.parallel.state import Group, ParallelState
-from megapipe.parity import relative_error
-from megapipe.reference_gpt import plain_name, reference_from_megapipe
 from megapipe.testing import run_distributed
+from megapipe.testing.parity import relative_error
+from megapipe.testing.reference_gpt import plain_name, reference_from_megapipe
 
 SEED, MICRO_BATCH, MICRO_BATCHES = 5, 2, 2
 CONFIG = ModelConfig(

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megapipe.checkpointing.convert import read_source, resolve
-from tests.test_checkpoint_resume import MOCK, MODEL, NO_DROPOUT, run
+from megapipe.conversion.convert import read_source, resolve
+from tests.helpers import MOCK, MODEL, NO_DROPOUT, run
 
 ROOT = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("convert_tool", ROOT / "tools/checkpoint/convert.py")

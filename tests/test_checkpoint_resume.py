@@ -7,36 +7,24 @@ evaluation; fp16's loss scaler); a checkpoint saved at one layout continues at o
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from megapipe.arguments import parse_args
 from megapipe.errors import ConfigError
-from megapipe.testing import DistributedTestError, run_distributed, train_with_flags
-
-MODEL = [
-    "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
-    "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "8",
-    "--lr", "3e-3", "--log-interval", "1", "--eval-iters", "0", "--train-iters", "6",
-]  # fmt: skip
-MOCK = ["--mock-data", "--vocab-size", "100"]
-NO_DROPOUT = ["--attention-dropout", "0", "--hidden-dropout", "0"]
-LOSS_LINE = re.compile(r"^ iteration +(\d+)/.*\| lm loss: (\S+) \|.*\| grad norm: (\S+) \|")
-THREE_D = [
-    "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-    "--num-layers-per-virtual-pipeline-stage", "1", "--use-distributed-optimizer",
-]  # fmt: skip
-
-
-def printed(stdout: str) -> dict[int, tuple[str, str]]:
-    """iteration -> (lm loss, grad norm) as printed."""
-    return {int(m[1]): (m[2], m[3]) for m in map(LOSS_LINE.match, stdout.splitlines()) if m}
-
-
-def run(world: int, flags: list[str]) -> tuple[list, str]:
-    outputs = run_distributed(train_with_flags, world, flags, timeout=180)
-    return outputs[0][0], outputs[-1][1]
+from megapipe.testing import DistributedTestError
+from tests.helpers import (
+    MOCK,
+    MODEL,
+    NO_DROPOUT,
+    THREE_D,
+    pretrain_command,
+    pretrain_env,
+    printed,
+    run,
+)
 
 
 def stop_and_resume(world: int, flags: list[str], save: Path, k: int = 3):
@@ -52,7 +40,14 @@ def stop_and_resume(world: int, flags: list[str], save: Path, k: int = 3):
 
 @pytest.mark.parametrize(
     ("world", "layout"),
-    [(1, NO_DROPOUT), (8, THREE_D + ["--attention-dropout", "0.1", "--hidden-dropout", "0.1"])],
+    [
+        (1, NO_DROPOUT),
+        pytest.param(
+            8,
+            THREE_D + ["--attention-dropout", "0.1", "--hidden-dropout", "0.1"],
+            marks=pytest.mark.slow,
+        ),
+    ],
     ids=["one-rank", "tp2-pp2-dp2-distopt-interleaved-dropout"],
 )
 def test_resume_is_exact(world: int, layout: list[str], tmp_path: Path) -> None:
@@ -137,6 +132,27 @@ def test_finetune_loads_the_weights_and_restarts_the_count(tmp_path: Path) -> No
     assert tuned[0].lm_loss < scratch[0].lm_loss  # from trained weights, on the same batch
 
 
+@pytest.mark.slow
+def test_a_load_at_or_past_train_iters_says_so_and_exits_0(tmp_path: Path) -> None:
+    save = tmp_path / "ckpt"
+    flags = MODEL + MOCK + NO_DROPOUT + ["--num-layers", "2", "--train-iters", "3"]
+    run(1, flags + ["--save", str(save)])
+    again = subprocess.run(
+        pretrain_command(1, flags + ["--load", str(save), "--train-iters", "2"]),
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=pretrain_env(),
+    )
+    assert again.returncode == 0, again.stderr
+    lines = [line for line in again.stdout.splitlines() if "nothing to train" in line]
+    assert lines == [
+        f"nothing to train: the checkpoint loaded from {save} is at iteration 3, already at or "
+        "past --train-iters 2"
+    ]
+    assert printed(again.stdout) == {}  # no iteration ran
+
+
 def test_load_errors_are_one_line(tmp_path: Path) -> None:
     flags = MODEL + MOCK + NO_DROPOUT
     empty = tmp_path / "empty"
@@ -159,6 +175,7 @@ def test_load_errors_are_one_line(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.slow
 def test_a_corrupt_checkpoint_stops_every_rank_with_one_line(tmp_path: Path) -> None:
     import os
     import socket

@@ -11,9 +11,9 @@ import torch
 from megapipe.arguments import parse_args
 from megapipe.data.mock import MockGPTDataset
 from megapipe.parallel.state import ParallelState
-from megapipe.reference_gpt import reference_from_megapipe
 from megapipe.testing import run_distributed, train_with_flags
-from megapipe.training.train import build_model_chunks_for
+from megapipe.testing.reference_gpt import reference_from_megapipe
+from megapipe.training.build import build_model_chunks_for
 
 GBS, MBS, SEQ, VOCAB = 8, 2, 16, 128
 BASE = [

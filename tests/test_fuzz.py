@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from megapipe.arguments import build_parser, parse_args
@@ -37,21 +37,8 @@ from megapipe.data.input_issues import InputIssue
 from megapipe.data.jsonl import parse_json_line, read_chunks
 from megapipe.data.tokenizers import TokenizerSpec
 from megapipe.errors import ConfigError
-from tests.test_arguments import argv as tiny_argv
-
-
-def fuzz_settings(examples: int) -> settings:
-    """`examples` examples in CI, the same ones on every run (a CI run must not turn red on a
-    draw); MEGAPIPE_FUZZ_EXAMPLES=N runs N fresh random examples instead, to hunt for new bugs.
-    A bug found that way gets an `@example` so that CI keeps checking it."""
-    hunting = "MEGAPIPE_FUZZ_EXAMPLES" in os.environ
-    return settings(
-        max_examples=int(os.environ.get("MEGAPIPE_FUZZ_EXAMPLES", examples)),
-        derandomize=not hunting,
-        deadline=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-        database=None,  # nothing written into the working tree
-    )
+from tests.helpers import argv as tiny_argv
+from tests.helpers import fuzz_settings
 
 
 def mutate(data: bytes, edits: list[tuple[int, int]], cut: int) -> bytes:

@@ -25,8 +25,7 @@ from megapipe.inference.loading import load_inference_model
 from megapipe.inference.sampling import SamplingOptions, filtered_logits, sample
 from megapipe.parallel.state import ParallelState
 from megapipe.testing import run_distributed
-from tests.test_checkpoint_resume import MOCK, NO_DROPOUT, run
-from tests.test_hf_export import _random_hf
+from tests.helpers import MOCK, NO_DROPOUT, random_hf_model, run
 
 transformers = pytest.importorskip("transformers")
 
@@ -147,7 +146,7 @@ def _logits_on_ranks(rank: int, world: int, load: str, tp: int, pp: int, tokens)
 
 @pytest.mark.parametrize("kind", sorted(SHAPES))
 def test_imported_model_gives_its_logits_at_tp2_and_pp2(kind: str, tmp_path: Path) -> None:
-    _random_hf(kind, tmp_path / "hf")
+    random_hf_model(kind, tmp_path / "hf")
     argv = ["--model-type", "GPT", "--loader", "hf", "--load-dir", str(tmp_path / "hf")]
     assert convert_tool.main([*argv, "--save-dir", str(tmp_path / "mp")]) == 0
     tokens = torch.tensor([[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26], [2, 7, 1, 8] * 3])

@@ -36,7 +36,7 @@ from megapipe.inference.server_request import Limits, RequestError, content_leng
 from megapipe.inference.session import Session
 from megapipe.parallel.state import ParallelState
 from megapipe.testing import DistributedTestError, run_distributed
-from tests.test_checkpoint_resume import MOCK, NO_DROPOUT, run
+from tests.helpers import MOCK, NO_DROPOUT, run
 
 ROOT = Path(__file__).resolve().parent.parent
 COUNTING = [
@@ -386,6 +386,7 @@ def test_tp2_a_port_in_use_fails_every_rank_with_its_name(checkpoint, tmp_path) 
 # --- the tool, as a user runs it -------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_tool_serves_and_stops_on_sigint(checkpoint: Path, single: Served) -> None:
     argv = [sys.executable, str(ROOT / "tools/run_text_generation_server.py"), "--load",
             str(checkpoint), "--port", "0", "--greedy", "--max-tokens-to-generate",

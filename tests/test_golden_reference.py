@@ -2,7 +2,7 @@
 
 megapipe runs `pretrain_gpt.py` at one rank (the product's own path: gradient buffers, the
 sharded-optimizer wrapper, its clipping and LR schedule, the executor's gradient accumulation).
-The reference is `megapipe.reference_gpt.PlainGPT` (torch.nn only), started from the same
+The reference is `megapipe.testing.reference_gpt.PlainGPT` (torch.nn only), started from the same
 initial weights and trained here with `torch.optim.AdamW` (weight decay on the parameters with
 dim > 1, as Megatron), `torch.nn.utils.clip_grad_norm_`, a `LambdaLR` of Megatron's documented
 warmup + cosine decay written out below, on the same mock samples with the global batch split
@@ -84,7 +84,7 @@ def _plain(rank: int, world_size: int, arch: str, clip: bool = True, **changes):
     from megapipe.model import GPTModel
     from megapipe.parallel.random import RNGTracker
     from megapipe.parallel.state import ParallelState
-    from megapipe.reference_gpt import reference_from_megapipe
+    from megapipe.testing.reference_gpt import reference_from_megapipe
 
     config = ModelConfig(
         num_layers=2,

@@ -36,6 +36,7 @@ def test_gpu_check_script_parses() -> None:
     subprocess.run(["bash", "-n", str(ROOT / "tools" / "gpu_check.sh")], check=True, timeout=30)
 
 
+@pytest.mark.slow
 def test_gpu_check_without_cuda_is_one_line_and_status_2(tmp_path) -> None:
     env = _env(CUDA_VISIBLE_DEVICES="", GPU_CHECK_OUT=str(tmp_path / "o"))
     script = str(ROOT / "tools" / "gpu_check.sh")
@@ -64,6 +65,7 @@ def _sourced(command: str, tmp_path: Path, **env: str) -> subprocess.CompletedPr
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_gpu_count_is_torchs_without_nvidia_smi(tmp_path) -> None:
     done = _sourced("command -v nvidia-smi; gpu_count", tmp_path)
     assert done.returncode == 0, done.stderr
@@ -83,6 +85,7 @@ def test_multi_gpu_part_runs_with_two_gpus_and_says_why_it_skips_with_one(tmp_pa
         assert "NCCL refuses two ranks on one GPU" in line and "\n" not in line
 
 
+@pytest.mark.slow
 def test_multi_gpu_command_trains_two_pipeline_ranks_on_gloo(tmp_path) -> None:
     """The part's own command (torchrun pretrain_gpt.py, 2 ranks, PP=2) with gloo for NCCL."""
     done = subprocess.run(
@@ -122,6 +125,7 @@ def tiny_runs(tmp_path_factory):
     return results
 
 
+@pytest.mark.slow
 def test_training_check_tiny_runs_fp32_twice_and_passes(tiny_runs) -> None:
     status, stdout, stderr, report = tiny_runs["training"]
     assert status == 0, stderr
@@ -166,6 +170,7 @@ def test_parse_losses_reads_megatrons_log_line() -> None:
     ) == ([4.812345], 1)
 
 
+@pytest.mark.slow
 def test_mfu_bench_tiny_reports_consistent_numbers(tiny_runs) -> None:
     status, stdout, stderr, report = tiny_runs["mfu"]
     assert status == 0, stderr

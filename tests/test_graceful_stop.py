@@ -40,6 +40,7 @@ def log_lines(stdout: str) -> dict[int, str]:
     }
 
 
+@pytest.mark.slow
 def test_sigterm_under_torchrun_saves_exits_0_and_resumes_exactly(tmp_path: Path) -> None:
     save = tmp_path / "ckpt"
     flags = [*FLAGS, "--exit-signal-handler", "--save", str(save), "--save-interval", "1000"]

@@ -18,27 +18,23 @@ with the exact gelu 0, llama 4.5e-8.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from megapipe.checkpointing.convert import Source, _fill, build_rank, read_source, resolve
 from megapipe.checkpointing.errors import CheckpointError
-from megapipe.checkpointing.hf_export import architecture, export_source
 from megapipe.checkpointing.hf_safetensors import INDEX, WEIGHTS, parse_size, plan_shards
+from megapipe.conversion.convert import Source, _fill, build_rank, read_source, resolve
+from megapipe.conversion.hf_export import architecture, export_source
 from megapipe.errors import ConfigError
-from tests.test_checkpoint_resume import MOCK, MODEL, NO_DROPOUT, run
+from tests.helpers import MOCK, MODEL, NO_DROPOUT, random_hf_model, run
+from tests.helpers import convert_gpt as tool
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("convert_tool", ROOT / "tools/checkpoint/convert.py")
-convert_tool = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(convert_tool)
 
 LLAMA = [
     "--position-embedding-type", "rope", "--rotary-base", "500000", "--normalization",
@@ -55,10 +51,6 @@ TP2_PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size"
 TOLERANCE = 1e-4
 TOKENS = torch.tensor([[5, 17, 99, 0, 42, 8, 3, 64, 11, 27, 90, 1, 2, 33, 71, 50]] * 2)
 TOKENS[1] = TOKENS[1].flip(0)
-
-
-def tool(*argv: str) -> int:
-    return convert_tool.main(["--model-type", "GPT", *argv])
 
 
 def weights(load_dir: Path) -> Source:
@@ -151,6 +143,21 @@ def test_a_bad_shard_size_is_refused(text) -> None:
         parse_size(text)
 
 
+@pytest.mark.parametrize("max_shard_size", [10**9, 100])
+def test_weights_get_the_mode_of_the_exports_other_files(max_shard_size, tmp_path) -> None:
+    """safetensors creates its files 0600; an export's weights read like its config.json."""
+    from megapipe.checkpointing.hf_safetensors import write_weights
+
+    (tmp_path / "config.json").write_text("{}")
+    tensors = {"a": torch.zeros(20), "b": torch.ones(20)}
+    files = write_weights(tensors, str(tmp_path), max_shard_size)
+    assert len(files) == (1 if max_shard_size > 100 else 3)
+    expected = (tmp_path / "config.json").stat().st_mode & 0o777
+    assert {name: (tmp_path / name).stat().st_mode & 0o777 for name in files} == dict.fromkeys(
+        files, expected
+    )
+
+
 def test_shards_are_cut_as_transformers_cuts_them(trained) -> None:
     from huggingface_hub import split_torch_state_dict_into_shards
 
@@ -192,33 +199,9 @@ def test_sharded_export_loads_with_the_same_logits_and_round_trips(trained) -> N
 # --- import of transformers' own models -----------------------------------------------------
 
 
-def _random_hf(kind: str, directory: Path) -> None:
-    torch.manual_seed(0)
-    if kind.startswith("gpt2"):  # GPT-2's default activation is gelu_new (tanh): --openai-gelu
-        config = transformers.GPT2Config(
-            vocab_size=100, n_positions=32, n_embd=32, n_layer=2, n_head=4,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-            **({"activation_function": "gelu"} if kind == "gpt2-exact-gelu" else {}),
-        )  # fmt: skip
-        model = transformers.GPT2LMHeadModel(config)
-    else:
-        config = transformers.LlamaConfig(
-            vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-            rope_theta=1000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
-        )  # fmt: skip
-        model = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():  # layer norms off their 1/0 init, so they are checked too
-        for name, param in model.named_parameters():
-            if "norm" in name or "ln_" in name:
-                param.add_(torch.randn_like(param) * 0.1)
-    # Llama through transformers' own sharding and index
-    model.save_pretrained(str(directory), max_shard_size="20KB" if kind == "llama" else "5GB")
-
-
 @pytest.mark.parametrize("kind", ["gpt2", "gpt2-exact-gelu", "llama"])
 def test_imported_transformers_model_gives_its_logits(kind: str, tmp_path: Path) -> None:
-    _random_hf(kind, tmp_path / "hf")
+    random_hf_model(kind, tmp_path / "hf")
     assert (tmp_path / "hf" / INDEX).exists() == (kind == "llama")
     assert tool("--loader", "hf", "--load-dir", str(tmp_path / "hf"),
                 "--save-dir", str(tmp_path / "mp")) == 0  # fmt: skip

@@ -16,7 +16,7 @@ from megapipe.checkpointing.hf_sentencepiece import UNIGRAM_CAVEAT
 from megapipe.checkpointing.hf_tokenizer import eod_id, write_tokenizer_files
 from megapipe.data.tokenizer_training import TokenizerTrainingOptions, train_sentencepiece
 from megapipe.data.tokenizers import TokenizerSpec, build_tokenizer
-from tests.test_checkpoint_resume import MODEL, NO_DROPOUT, run
+from tests.helpers import MODEL, NO_DROPOUT, convert_gpt, run
 
 transformers = pytest.importorskip("transformers")
 TEXT = "The quick brown fox jumps over the lazy dog. Tokenizers: do they agree? 123 ... yes."
@@ -199,8 +199,6 @@ def test_a_broken_sentencepiece_model_gets_a_line(tmp_path) -> None:
 
 def test_an_exported_sentencepiece_run_loads_with_its_tokenizer(sp_model, tmp_path) -> None:
     """End to end: a run trained with the SentencePiece tokenizer, exported by the tool."""
-    from tests.test_hf_export import tool
-
     tokenizer = [
         "--tokenizer-type",
         "GPTSentencePieceTokenizer",
@@ -209,7 +207,7 @@ def test_an_exported_sentencepiece_run_loads_with_its_tokenizer(sp_model, tmp_pa
     ]
     run(1, MODEL + NO_DROPOUT + ["--mock-data", *tokenizer, "--train-iters", "1",
                                  "--save", str(tmp_path / "ckpt")])  # fmt: skip
-    assert tool("--saver", "hf", "--load-dir", str(tmp_path / "ckpt"),
+    assert convert_gpt("--saver", "hf", "--load-dir", str(tmp_path / "ckpt"),
                 "--save-dir", str(tmp_path / "hf")) == 0  # fmt: skip
     theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
     model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))

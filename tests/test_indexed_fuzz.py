@@ -17,7 +17,7 @@ from megapipe.data.errors import IndexedDatasetError
 from megapipe.data.indexed_builder import IndexedDatasetBuilder
 from megapipe.data.indexed_dataset import IndexedDataset
 from megapipe.data.indexed_format import HEADER, MAGIC
-from tests.test_fuzz import fuzz_settings
+from tests.helpers import fuzz_settings
 
 SETTINGS = fuzz_settings(150)
 

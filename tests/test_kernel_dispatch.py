@@ -211,6 +211,7 @@ def test_a_module_that_fails_in_any_way_is_unavailable_not_an_error(
     assert availability._import_error("json") is None
 
 
+@pytest.mark.slow
 def test_importing_the_dispatch_imports_no_accelerator_library() -> None:
     code = (
         "import sys, megapipe.kernels.dispatch\n"

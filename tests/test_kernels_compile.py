@@ -71,6 +71,7 @@ _SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not TRITON.available, reason=TRITON.reason)
 def test_triton_kernels_compile_for_sm90():
     pytest.importorskip("triton.backends.nvidia", reason="Triton has no NVIDIA backend here")

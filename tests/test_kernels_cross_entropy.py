@@ -17,8 +17,8 @@ from megapipe.kernels import cross_entropy as ce
 from megapipe.kernels.availability import triton_probe
 from megapipe.model.activation_memory import saved_activation_bytes
 from megapipe.parallel.state import Group, ParallelState
-from megapipe.parity import relative_error
 from megapipe.testing import run_distributed
+from megapipe.testing.parity import relative_error
 
 TRITON = triton_probe()
 TOL = 1e-5

@@ -3,10 +3,10 @@ bf16 and fp16, forward and backward (skipped without a CUDA device; tools/gpu_ch
 
 For each op of `kernels.dispatch.IMPLEMENTATIONS` and each of its fused rows (Triton, apex,
 TransformerEngine; torch.compile too with MEGAPIPE_TEST_COMPILE=1) the op runs on the case's
-inputs (`kernels/cases.py`, sizes that are not multiples of the block sizes) in the test's
-dtype, and the reference runs on the same values in fp64. The error of each output and input
-gradient is max |got - fp64| / max |fp64|; a non-finite value is an infinite error, so a NaN
-never passes. The bound is the dtype's tolerance or twice the error of the reference itself
+inputs (`megapipe/testing/kernel_cases.py`, sizes that are not multiples of the block sizes) in
+the test's dtype, and the reference runs on the same values in fp64. The error of each output
+and input gradient is max |got - fp64| / max |fp64|; a non-finite value is an infinite error,
+so a NaN never passes. The bound is the dtype's tolerance or twice the error of the reference itself
 run in that dtype, whichever is larger (a fused kernel may not be less exact than plain torch
 in the same precision by more than that).
 """
@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from megapipe.kernels.availability import detect
-from megapipe.kernels.cases import CASES, Sizes, as_dtype, forward_backward, max_error
 from megapipe.kernels.dispatch import IMPLEMENTATIONS, REQUIRES
+from megapipe.testing.kernel_cases import CASES, Sizes, as_dtype, forward_backward, max_error
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -136,6 +136,7 @@ def test_rotary_triton_matches_reference(offset, d, block) -> None:
     compare_with_reference(f"rotary[offset={offset}, d={d}]", fused, reference, [x])
 
 
+@pytest.mark.slow
 @needs_triton
 def test_kernels_compile_for_a_hopper_gpu_without_one(tmp_path) -> None:
     """The interpreter never lowers a kernel; kernels_compile_check.py does, to sm_90 cubins."""

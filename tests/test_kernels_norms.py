@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from megapipe.kernels import layer_norm as ln
 from megapipe.kernels.availability import triton_probe
 from megapipe.layers.norms import LayerNorm, RMSNorm
-from megapipe.parity import relative_error
+from megapipe.testing.parity import relative_error
 
 TRITON = triton_probe()
 needs_triton = pytest.mark.skipif(not TRITON.available, reason=TRITON.reason)

@@ -10,7 +10,7 @@ import torch
 from megapipe.kernels import softmax as sm
 from megapipe.kernels.availability import triton_probe
 from megapipe.model.attention import cached_causal_mask, explicit_attention
-from megapipe.parity import relative_error
+from megapipe.testing.parity import relative_error
 
 TRITON = triton_probe()
 needs_triton = pytest.mark.skipif(not TRITON.available, reason=TRITON.reason)

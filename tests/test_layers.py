@@ -17,8 +17,8 @@ from megapipe.layers import (
 from megapipe.layers.cross_entropy import masked_mean
 from megapipe.model.initialization import full_tensor, initialize_parameters
 from megapipe.parallel.state import ParallelState
-from megapipe.parity import relative_error
 from megapipe.testing import run_distributed
+from megapipe.testing.parity import relative_error
 
 TOL = 1e-5
 

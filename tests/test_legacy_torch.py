@@ -12,7 +12,7 @@ import torch
 
 from megapipe.checkpointing.legacy_torch import read_file
 from megapipe.testing import DistributedTestError
-from tests.test_checkpoint_resume import MOCK, MODEL, NO_DROPOUT, THREE_D, printed, run
+from tests.helpers import MOCK, MODEL, NO_DROPOUT, THREE_D, printed, run
 
 TORCH = ["--ckpt-format", "torch"]
 
@@ -28,7 +28,7 @@ def stop_and_resume(world: int, flags: list[str], save: Path, k: int = 3):
     ("world", "layout", "files"),
     [
         (1, [], ["mp_rank_00/model_optim_rng.pt"]),
-        (
+        pytest.param(
             8,
             THREE_D,
             [
@@ -37,6 +37,7 @@ def stop_and_resume(world: int, flags: list[str], save: Path, k: int = 3):
                 for p in range(2)
                 for name in ("model_optim_rng.pt", "distrib_optim_000.pt", "distrib_optim_001.pt")
             ],
+            marks=pytest.mark.slow,
         ),
     ],
     ids=["one-rank", "tp2-pp2-dp2-distopt-interleaved"],

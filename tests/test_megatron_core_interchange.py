@@ -37,7 +37,7 @@ from megapipe.checkpointing.layout_free import model_shards  # noqa: E402
 from megapipe.checkpointing.torch_dist import load_sharded, save_sharded  # noqa: E402
 from megapipe.parallel.state import ParallelState  # noqa: E402
 from megapipe.testing import run_distributed  # noqa: E402
-from megapipe.training.train import build_model_chunks_for  # noqa: E402
+from megapipe.training.build import build_model_chunks_for  # noqa: E402
 
 LAYERS, HIDDEN, HEADS, VOCAB, SEQ = 2, 64, 4, 128, 16
 FLAGS = [

@@ -103,6 +103,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_the_scaled_down_script_trains_at_tp2_pp2(gpt2_data, tmp_path: Path) -> None:
     vocab, merges, data = gpt2_data
     ckpt, tb = tmp_path / "ckpt", tmp_path / "tb"
@@ -141,6 +142,7 @@ def test_the_scaled_down_script_trains_at_tp2_pp2(gpt2_data, tmp_path: Path) -> 
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "24"
 
 
+@pytest.mark.slow
 def test_a_megatron_flag_megapipe_lacks_is_refused_by_name() -> None:
     run = subprocess.run(
         [sys.executable, str(ROOT / "pretrain_gpt.py"), "--num-layers", "2", "--num-experts", "8"],

@@ -79,6 +79,7 @@ def _losses(stdout: str) -> dict[int, float]:
     return {int(m[1]): float(m[2]) for m in found if m}
 
 
+@pytest.mark.slow
 def test_two_agents_with_c10d_rendezvous_match_one_standalone_agent() -> None:
     endpoint = f"127.0.0.1:{_free_port()}"
     rdzv_id = f"megapipe-test-{uuid.uuid4().hex[:8]}"

@@ -23,8 +23,8 @@ from megapipe.arguments import parse_args
 from megapipe.parallel.state import ParallelState
 from megapipe.testing import run_distributed
 from megapipe.training.step import NonFiniteGradError, NonFiniteLossError, SpikyLossError
-from megapipe.training.stepper import Stepper
-from tests.test_pretrain_cli import _command, _env
+from megapipe.training.step_by_step import Stepper
+from tests.helpers import pretrain_command, pretrain_env
 
 TINY = [
     "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -197,13 +197,16 @@ def test_spiky_loss_warns_by_default_and_stops_with_exit_on_spiky_loss(scenarios
         assert f"the mean {mean:.6E} of the previous 3 iterations" in message, (message, mean)
 
 
+@pytest.mark.slow
 def test_cli_exits_non_zero_with_one_line_on_every_rank():
     run = subprocess.run(
-        _command(2, [*TINY, "--tensor-model-parallel-size", "2", "--init-method-std", "1e25"]),
+        pretrain_command(
+            2, [*TINY, "--tensor-model-parallel-size", "2", "--init-method-std", "1e25"]
+        ),
         capture_output=True,
         text=True,
         timeout=180,
-        env=_env(),
+        env=pretrain_env(),
     )
     assert run.returncode != 0
     lines = [line for line in run.stderr.splitlines() if "pretrain_gpt.py: error:" in line]

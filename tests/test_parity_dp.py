@@ -11,18 +11,11 @@ import pytest
 import torch._dynamo  # noqa: F401  (imported once here so that forked ranks inherit it)
 
 from megapipe.testing import run_distributed, train_with_flags
-
-BASE = [
-    "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
-    "--seq-length", "16", "--mock-data", "--eval-iters", "0", "--vocab-size", "200",
-    "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "4", "--lr", "3e-3",
-    "--attention-dropout", "0", "--hidden-dropout", "0", "--log-interval", "100",
-    "--clip-grad", "0.5", "--weight-decay", "0.1", "--ddp-bucket-size", "3000",
-]  # fmt: skip
+from tests.helpers import PARITY_FLAGS
 
 
 def _train(rank: int, world_size: int, extra: list[str]):
-    results, _ = train_with_flags(rank, world_size, BASE + extra)
+    results, _ = train_with_flags(rank, world_size, PARITY_FLAGS + extra)
     return [r.lm_loss for r in results], [r.grad_norm for r in results]
 
 
@@ -75,14 +68,14 @@ class _LatestGather:
 def _train_latest_gather(rank: int, world_size: int, extra: list[str]):
     from megapipe.distributed import grad_buffer
 
-    real = grad_buffer._all_gather_single
+    real = grad_buffer.all_gather_single
 
     def gather(*args, async_op: bool = False, **kwargs):
         if not async_op:
             return real(*args, **kwargs)
         return _LatestGather(real, args, kwargs)
 
-    grad_buffer._all_gather_single = gather
+    grad_buffer.all_gather_single = gather
     return _train(rank, world_size, extra)
 
 

@@ -20,8 +20,8 @@ from megapipe.model import GPTModel
 from megapipe.parallel import mappings
 from megapipe.parallel.random import RNGTracker
 from megapipe.parallel.state import ParallelState
-from megapipe.parity import relative_error, shard_errors
 from megapipe.testing import run_distributed
+from megapipe.testing.parity import relative_error, shard_errors
 
 TOLERANCE = 2e-5
 SEED = 1234

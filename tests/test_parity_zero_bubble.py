@@ -1,6 +1,6 @@
 """Zero-bubble schedules: the same losses, gradients and grad norms as one rank, W included.
 
-The executor-level cases reuse test_parity_pp's harness (three Adam steps against a
+The executor-level cases reuse test_parity_pp's check (tests/helpers.py: three Adam steps against a
 single-rank GPT, every gradient shard of the first step, the grad norm of every step, the
 simulator's stash count). The whole-stack cases run the product's training step (grad buffers
 with overlapped bucket reduction, the distributed optimizer, clipping) at TP2 x PP2 x DP2 with
@@ -23,15 +23,17 @@ from megapipe.pipeline.model_chunks import activation_shape, build_model_chunks
 from megapipe.pipeline.partition import partition_layers
 from megapipe.pipeline.schedules import build_schedule
 from megapipe.testing import run_distributed, train_with_flags
-from tests.test_parity_dp import BASE
-from tests.test_parity_pp import (
+from tests.helpers import (
     EMULATE,
-    MICRO_BATCH,
-    SEED,
+    PARITY_FLAGS,
+    PARITY_MICRO_BATCH,
+    PARITY_SEED,
     check_pipeline_parity,
-    config_for,
-    micro_batch,
+    parity_config,
+    parity_micro_batch,
 )
+
+torch.optim.Adam([torch.zeros(1)])  # first use imports torch._dynamo (~3 s): once, before forking
 
 # Within the 60 s of CI these tests may take; (1, 4, 1, zero-bubble-h1, untied, 6) and
 # (1, 4, 2, interleaved-zero-bubble, untied, 4) pass too (8 s and 19 s more).
@@ -56,7 +58,7 @@ def test_zero_bubble_with_receives_posted_ahead_matches_single_rank(kind, v, emu
 
 
 def _train(rank: int, world_size: int, extra: list[str]):
-    results, _ = train_with_flags(rank, world_size, BASE + extra)
+    results, _ = train_with_flags(rank, world_size, PARITY_FLAGS + extra)
     return [r.lm_loss for r in results], [r.grad_norm for r in results]
 
 
@@ -88,10 +90,14 @@ def test_the_training_step_with_zero_bubble_matches_one_rank(layout):
 
 
 def _buffered_step(rank: int, world: int, kind: str):
-    config = config_for(4, tied=True)
+    config = parity_config(4, tied=True)
     state = ParallelState.build(1, 2)  # PP2 x DP2
     chunks = build_model_chunks(
-        config, state, RNGTracker(SEED, 0, state.pp_rank), partition_layers(config, 2, 1), seed=SEED
+        config,
+        state,
+        RNGTracker(PARITY_SEED, 0, state.pp_rank),
+        partition_layers(config, 2, 1),
+        seed=PARITY_SEED,
     )
     m = 4
     buffer = GradBuffer(
@@ -107,9 +113,9 @@ def _buffered_step(rank: int, world: int, kind: str):
         state,
         build_schedule(kind, 2, 1, m, state.pp_rank),
         num_microbatches=m,
-        activation_shape=activation_shape(config, MICRO_BATCH, 1, False),
+        activation_shape=activation_shape(config, PARITY_MICRO_BATCH, 1, False),
     )
-    executor.run(lambda i: micro_batch(config, state.dp_rank, i))
+    executor.run(lambda i: parity_micro_batch(config, state.dp_rank, i))
     started = buffer.started_before_finish
     buffer.finish_grad_sync()
     return started, len(buffer.buckets), buffer.grad_data.clone()
@@ -124,17 +130,17 @@ def test_deferred_weight_gradients_reach_the_overlapped_buckets_in_the_step():
 
 
 def _one_rank_executor(actions):
-    config = config_for(2, tied=True)
+    config = parity_config(2, tied=True)
     state = ParallelState.single()
     chunks = build_model_chunks(
-        config, state, RNGTracker(SEED), partition_layers(config, 1, 1), seed=SEED
+        config, state, RNGTracker(PARITY_SEED), partition_layers(config, 1, 1), seed=PARITY_SEED
     )
     return config, PipelineExecutor(
         chunks,
         state,
         actions,
         num_microbatches=2,
-        activation_shape=activation_shape(config, MICRO_BATCH, 1, False),
+        activation_shape=activation_shape(config, PARITY_MICRO_BATCH, 1, False),
     )
 
 
@@ -143,11 +149,11 @@ def test_a_schedule_that_drops_or_reorders_a_w_is_refused():
     assert [str(a) for a in actions] == ["F0", "B0", "W0", "F1", "B1", "W1"]
     config, executor = _one_rank_executor(actions[:-1])
     with pytest.raises(RuntimeError, match="1 backward passes' deferred weight gradients"):
-        executor.run(lambda i: micro_batch(config, 0, i))
+        executor.run(lambda i: parity_micro_batch(config, 0, i))
     swapped = actions[:2] + actions[3:5] + [actions[5], actions[2]]  # W1 before W0
     config, executor = _one_rank_executor(swapped)
     with pytest.raises(RuntimeError, match=r"runs W1 but the oldest pending B is \(0, 0\)"):
-        executor.run(lambda i: micro_batch(config, 0, i))
+        executor.run(lambda i: parity_micro_batch(config, 0, i))
 
 
 def test_a_w_tells_the_watchdog_what_it_runs(monkeypatch):
@@ -163,7 +169,7 @@ def test_a_w_tells_the_watchdog_what_it_runs(monkeypatch):
         return compute(*args, **kwargs)
 
     monkeypatch.setattr(store, "compute_weight_grads", recording)
-    executor.run(lambda i: micro_batch(config, 0, i))
+    executor.run(lambda i: parity_micro_batch(config, 0, i))
     assert seen == [
         ("weight-grad", f"weight gradients of micro-batch {i} (model chunk 0)") for i in (0, 1)
     ]

@@ -25,6 +25,13 @@ def test_uniform_split_and_virtual_stage_order():
     assert "(1, 1): 6-7 (2 layers)" in stage_map.describe()
 
 
+def test_a_one_layer_stage_is_named_in_the_singular():
+    assert partition_layers(config(2), 2).describe().splitlines()[1:] == [
+        "  (0, 0): 0 (1 layer)",
+        "  (1, 0): 1 (1 layer)",
+    ]
+
+
 def test_30_layers_over_4_stages_is_an_error_not_28_layers():
     with pytest.raises(ConfigError) as err:
         partition_layers(config(30), 4)

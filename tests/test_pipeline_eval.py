@@ -1,7 +1,7 @@
 """Forward-only pipeline steps (evaluation): the same losses as one rank, and no gradients.
 
 Each rank builds its chunks, gradient buffers and training executor with the product's own
-helpers (training/train.py), then an evaluation executor for another number of micro-batches
+helpers (training/build.py), then an evaluation executor for another number of micro-batches
 (`for_schedule("forward-only", m)`), and runs it with the chunks in eval mode (dropout 0.1 in
 the config, so train mode would change the losses). The reference is the single-rank model in
 eval mode with the loss written out in plain PyTorch (cross-entropy over the real vocabulary,
@@ -21,7 +21,7 @@ from megapipe.parallel.state import ParallelState
 from megapipe.pipeline.executor import PipelineExecutor
 from megapipe.pipeline.simulator import simulate_kind
 from megapipe.testing import run_distributed
-from megapipe.training.train import build_executor, build_model_chunks_for, build_optimizer
+from megapipe.training.build import build_executor, build_model_chunks_for, build_optimizer
 
 torch.optim.Adam([torch.zeros(1)])  # first use imports torch._dynamo (~3 s): once, before forking
 

@@ -293,7 +293,10 @@ def test_cli_latency_and_async_all_reduce_flags_change_the_estimate(capsys) -> N
             "--cluster",
         ),
         (["--hidden-size", "64", "--global-batch-size", "8"], "--num-layers"),
-        (["--model-preset", "gpt3-125m"], "--global-batch-size"),
+        (
+            ["--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "100", "--seq", "32"],
+            "--global-batch-size is required (a --model-preset brings its paper's)",
+        ),
         (
             [
                 "--model-preset",
@@ -317,6 +320,11 @@ def test_cli_bad_input_exits_2_with_one_line(argv, flag, capsys) -> None:
     err = capsys.readouterr().err
     assert exit_info.value.code == 2
     assert len(err.strip().splitlines()) == 1 and flag in err, err
+
+
+def test_a_model_preset_brings_its_papers_global_batch(capsys) -> None:
+    assert plan_tool.main(["--model-preset", "gpt3-125m", "--nodes", "1", "--top", "1"]) == 0
+    assert "global batch 256" in capsys.readouterr().out.splitlines()[0]  # GPT-3's 0.5M tokens
 
 
 def test_presets_are_the_published_layouts() -> None:

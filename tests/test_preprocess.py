@@ -138,6 +138,7 @@ def test_strict_fails_on_the_first_bad_line_and_writes_nothing(
         assert files(out) == []  # not even temporary files
 
 
+@pytest.mark.slow
 def test_cli_exit_codes_and_one_line_errors(tmp_path, demo_jsonl, sp_model) -> None:
     source = tmp_path / "mixed.jsonl"
     write_with_bad_lines(source, demo_jsonl)
@@ -291,6 +292,7 @@ def test_merging_halves_equals_preprocessing_the_whole(tmp_path, demo_jsonl, sp_
         assert (tmp_path / f"m.{ext}").read_bytes() == Path(f"{whole}.{ext}").read_bytes()
 
 
+@pytest.mark.slow
 def test_train_tokenizer_tool(tmp_path, demo_jsonl) -> None:
     text = tmp_path / "plain.txt"
     docs = [json.loads(line)["text"] for line in demo_jsonl.read_text().splitlines()[:20]]

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import glob
 import math
-import os
 import re
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import pretrain_command, pretrain_env
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "pretrain_gpt.py")
@@ -53,20 +53,6 @@ PARAM_LINE = re.compile(
 )
 
 
-def _env() -> dict[str, str]:
-    launcher_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    env = {k: v for k, v in os.environ.items() if k not in launcher_vars}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    return env
-
-
-def _command(nproc: int, args: list[str], *launcher: str) -> list[str]:
-    if nproc == 1:
-        return [sys.executable, SCRIPT, *args]
-    run = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    return [*run, "--nproc_per_node", str(nproc), *launcher, SCRIPT, *args]
-
-
 @dataclass
 class Run:
     returncode: int
@@ -100,9 +86,9 @@ SP_WARNING = "pretrain_gpt.py: warning: --sequence-parallel has no effect"
 def runs() -> dict[str, Run]:
     procs = {
         name: subprocess.Popen(
-            _command(nproc, TINY_GPT + extra),
+            pretrain_command(nproc, TINY_GPT + extra),
             cwd=ROOT,
-            env=_env(),
+            env=pretrain_env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -131,6 +117,7 @@ def expected_parameters(tp: int) -> int:
     return padded_vocab * h // tp + SEQ * h + LAYERS * layer + 2 * h
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_run_succeeds_and_logs_every_iteration_once(runs: dict[str, Run], name: str) -> None:
     run = runs[name]
@@ -151,6 +138,7 @@ def test_run_succeeds_and_logs_every_iteration_once(runs: dict[str, Run], name: 
     assert len(warned) == (1 if name == "dp2" else 0), run.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "world", "dp", "tp", "counts"),
     [
@@ -170,6 +158,7 @@ def test_startup_lines(runs: dict[str, Run], name, world, dp, tp, counts) -> Non
     assert len([line for line in stdout.splitlines() if PARAM_LINE.match(line)]) == len(counts)
 
 
+@pytest.mark.slow
 def test_layouts_print_the_same_losses(runs: dict[str, Run]) -> None:
     reference = runs["tp1"].losses()
     assert len(reference) == TRAIN_ITERS
@@ -178,6 +167,7 @@ def test_layouts_print_the_same_losses(runs: dict[str, Run]) -> None:
         assert runs[name].grad_norms() == pytest.approx(runs["tp1"].grad_norms(), abs=2e-3), name
 
 
+@pytest.mark.slow
 def test_loss_decreases(runs: dict[str, Run]) -> None:
     losses = runs["tp1"].losses()
     assert losses[0] == pytest.approx(math.log(VOCAB), abs=0.1)  # near-uniform at init
@@ -186,6 +176,7 @@ def test_loss_decreases(runs: dict[str, Run]) -> None:
     assert sum(losses[half:]) < sum(losses[:half]), losses
 
 
+@pytest.mark.slow
 def test_bad_flag_exits_on_every_rank_with_one_line(tmp_path: Path) -> None:
     bad = list(TINY_GPT)
     bad[bad.index("--hidden-size") + 1] = "100"
@@ -198,9 +189,9 @@ def test_bad_flag_exits_on_every_rank_with_one_line(tmp_path: Path) -> None:
     launcher = ["--log-dir", str(tmp_path), "--redirects", "2", "--monitor-interval", "2"]
     start = time.monotonic()
     proc = subprocess.run(
-        _command(2, bad, *launcher),
+        pretrain_command(2, bad, *launcher),
         cwd=ROOT,
-        env=_env(),
+        env=pretrain_env(),
         capture_output=True,
         text=True,
         timeout=TIMEOUT_S,

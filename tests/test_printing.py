@@ -11,6 +11,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from megapipe.console import print_line
 
 
@@ -34,6 +36,7 @@ def test_a_line_is_one_write() -> None:
     ]
 
 
+@pytest.mark.slow
 def test_two_unbuffered_processes_on_one_pipe_keep_their_lines_whole() -> None:
     script = textwrap.dedent(
         """

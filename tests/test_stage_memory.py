@@ -10,8 +10,8 @@ import re
 
 import pytest
 
-from megapipe.checkpointing.convert import build_rank
 from megapipe.config import ModelConfig, OptimizerConfig, ParallelConfig, RecomputeConfig
+from megapipe.conversion.convert import build_rank
 from megapipe.errors import ConfigError
 from megapipe.pipeline.partition import partition_layers, uniform_counts
 from megapipe.pipeline.stage_memory import MemoryModel, deviation, plan_stages, stage_parameters

@@ -27,9 +27,9 @@ from megapipe.model.te_layers import start_microbatches
 from megapipe.parallel.random import RNGTracker
 from megapipe.parallel.state import ParallelState
 from megapipe.testing import run_distributed
+from megapipe.training.build import build_executor, build_optimizer
 from megapipe.training.evaluation import Evaluator
 from megapipe.training.step import GlobalBatch, train_step
-from megapipe.training.train import build_executor, build_optimizer
 
 GPT2 = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=50, seq_length=8,
             attention_dropout=0.0, hidden_dropout=0.0)  # fmt: skip

@@ -168,6 +168,32 @@ def test_cli_errors_are_one_line(tmp_path: Path, capsys, monkeypatch) -> None:
     assert tool.main(["--schedule", "1f1b", "--output", out]) == 1
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 3 and all(line.startswith("plot_schedule.py: error: ") for line in lines)
-    assert "multiple of --pipeline-model-parallel-size" in lines[0]
+    assert (
+        "multiple of --pp (4)" in lines[0]
+        and "Use 4 or 8 micro-batches (--microbatches)" in lines[0]
+    )
     assert "no traceEvents" in lines[1] and "matplotlib is not installed" in lines[2]
     assert not (tmp_path / "x.png").exists()
+
+
+def test_cli_errors_name_the_tools_own_flags_and_refuse_unknown_suffixes(tmp_path, capsys):
+    tool = _load_tool()
+    assert tool.main(["--schedule", "interleaved-1f1b", "--output", str(tmp_path / "x.png")]) == 1
+    assert tool.main(["--schedule", "1f1b", "--output", str(tmp_path / "x.foo")]) == 1
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == (
+        "plot_schedule.py: error: --schedule interleaved-1f1b needs --vp 2 or more "
+        "(model chunks per rank)"
+    )
+    assert lines[1].startswith(f"plot_schedule.py: error: --output {tmp_path / 'x.foo'}: ")
+    assert "matplotlib writes no .foo files; use one of" in lines[1] and ".svg" in lines[1]
+    assert len(lines) == 2 and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(("name", "magic"), [("x.jpg", b"\xff\xd8\xff"), ("x.svg", b"<?xml")])
+def test_the_picture_is_in_the_format_its_suffix_names(name, magic, tmp_path) -> None:
+    assert (
+        _load_tool().main(["--schedule", "1f1b", "--pp", "2", "--output", str(tmp_path / name)])
+        == 0
+    )
+    assert (tmp_path / name).read_bytes().startswith(magic)

@@ -26,6 +26,7 @@ from megapipe.checkpointing.torch_dist import (
 )
 from megapipe.checkpointing.tracker import iteration_dir, read_tracker, write_tracker
 from megapipe.testing import run_distributed
+from tests.helpers import Evil, refresh_checksums
 
 SHAPES = {"a": (8, 6), "fc1": (8, 4)}  # fc1: SwiGLU [gate; up], two pieces per rank
 
@@ -310,30 +311,15 @@ def test_corrupt_file_read_by_one_rank_fails_both(ckpt: str, tmp_path) -> None:
     assert errors[0] == errors[1] and "__1_0.distcp: 100 bytes" in errors[0]
 
 
-class _Evil:
-    def __init__(self, marker: str) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
-
-
-def _refresh_checksums(directory: str) -> None:
-    """What an attacker would do: make the checksums match the tampered file."""
-    names = [n for n in os.listdir(directory) if n != "checksums.json"]
-    os.unlink(os.path.join(directory, "checksums.json"))
-    atomic_dir.write_checksums(directory, atomic_dir.fsync_and_digest(directory, names))
-
-
 def test_malicious_metadata_pickle_is_refused(ckpt: str, tmp_path) -> None:
     marker = tmp_path / "pwned"
     d = _copy(ckpt, str(tmp_path / "evilmeta"))
     with open(os.path.join(d, ".metadata"), "rb") as f:
         metadata = pickle.load(f)  # our own, trusted
-    metadata.planner_data = {"x": _Evil(str(marker))}
+    metadata.planner_data = {"x": Evil(str(marker))}
     with open(os.path.join(d, ".metadata"), "wb") as f:
         pickle.dump(metadata, f)
-    _refresh_checksums(d)
+    refresh_checksums(d)
     for attempt in (lambda: sharded_keys(d), lambda: _load_all(d)):
         with pytest.raises(CheckpointError, match=r"\.metadata: refused to unpickle posix\.system"):
             attempt()
@@ -347,8 +333,8 @@ def test_malicious_metadata_pickle_is_refused(ckpt: str, tmp_path) -> None:
 def test_malicious_common_pickle_is_refused(ckpt: str, tmp_path) -> None:
     marker = tmp_path / "pwned"
     d = _copy(ckpt, str(tmp_path / "evilcommon"))
-    torch.save({"iteration": 3, "x": _Evil(str(marker))}, os.path.join(d, "common.pt"))
-    _refresh_checksums(d)
+    torch.save({"iteration": 3, "x": Evil(str(marker))}, os.path.join(d, "common.pt"))
+    refresh_checksums(d)
     with pytest.raises(CheckpointError, match=r"common\.pt: refused by weights_only"):
         load_common(d)
     assert not marker.exists()
@@ -359,7 +345,7 @@ def test_malicious_common_pickle_is_refused(ckpt: str, tmp_path) -> None:
 def test_common_that_would_not_load_safely_is_refused_at_save(tmp_path) -> None:
     with pytest.raises(CheckpointError, match="weights_only loading refuses"):
         save_sharded(
-            str(tmp_path / "x"), {}, {"obj": _Evil("nothing")}, group=None, coordinator=True
+            str(tmp_path / "x"), {}, {"obj": Evil("nothing")}, group=None, coordinator=True
         )
     assert os.listdir(tmp_path) == []
 
@@ -450,6 +436,7 @@ def _run_child(save: str, iteration: int, kill_at: int = 0, delay: float | None 
     return counter.value if proc.exitcode == 0 else -1
 
 
+@pytest.mark.slow
 def test_sigkill_at_every_sync_point_leaves_a_loadable_checkpoint(tmp_path) -> None:
     save = str(tmp_path / "save")
     _save_iteration(save, 1)

@@ -22,8 +22,8 @@ from megapipe.layers.weight_grad import WeightGradStore
 from megapipe.model.initialization import full_tensor, initialize_parameters
 from megapipe.parallel.mappings import gather_from_sequence_parallel_region
 from megapipe.parallel.state import ParallelState
-from megapipe.parity import relative_error
 from megapipe.testing import run_distributed
+from megapipe.testing.parity import relative_error
 
 S, B, H, OUT = 16, 2, 64, 96  # [sequence, batch, hidden], output features
 

@@ -166,6 +166,7 @@ def _children(pid: int) -> list[int]:
         return [int(p) for p in file.read().split()]
 
 
+@pytest.mark.slow
 def test_sigterm_to_one_rank_stops_every_rank_at_the_same_iteration_with_status_0(
     tmp_path: Path,
 ) -> None:

@@ -21,8 +21,8 @@ from megapipe.layers.weight_grad import WeightGradStore
 from megapipe.model import GPTModel
 from megapipe.parallel.random import RNGTracker
 from megapipe.parallel.state import ParallelState
-from megapipe.parity import relative_error
 from megapipe.testing import run_distributed
+from megapipe.testing.parity import relative_error
 
 SEED = 7
 TIED = "embedding.word_embeddings.weight"

@@ -27,12 +27,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch.distributed as dist  # noqa: E402
 
 from megapipe.atomic_files import atomic_write  # noqa: E402
-from megapipe.checkpointing.errors import CheckpointError  # noqa: E402
 from megapipe.console import say  # noqa: E402
-from megapipe.data.errors import DataError  # noqa: E402
+from megapipe.data.tokenizers.base import Tokenizer  # noqa: E402
 from megapipe.data.tokenizers.null_tokenizer import NullTokenizer  # noqa: E402
 from megapipe.data.tool_cli import OneLineParser  # noqa: E402
-from megapipe.errors import ConfigError, error_line, split_debug  # noqa: E402
+from megapipe.errors import run_cli  # noqa: E402
 from megapipe.inference.generation import GenerationError, generate  # noqa: E402
 from megapipe.inference.session import (  # noqa: E402
     add_model_flags,
@@ -75,15 +74,25 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
+def continuation(tokenizer: Tokenizer, prompt: list[int], tokens: list[int]) -> str:
+    """The text `tokens` add after `prompt`, decoded together with it so that the first new
+    word keeps its leading space (SentencePiece drops it when a piece is decoded alone)."""
+    if isinstance(tokenizer, NullTokenizer):
+        return tokenizer.detokenize(tokens)
+    head, whole = tokenizer.detokenize(prompt), tokenizer.detokenize(prompt + tokens)
+    return whole[len(head) :] if whole.startswith(head) else tokenizer.detokenize(tokens)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """One rank of the job; returns its exit status."""
-    argv, debug = split_debug(sys.argv[1:] if argv is None else argv)
+    """One rank of the job; returns its exit status: any megapipe error is one line on stderr
+    and status 2 (`--debug`: the traceback first)."""
+    return run_cli(PROG, _main, argv, status=2)
+
+
+def _main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     try:
         return _run(args)
-    except (GenerationError, CheckpointError, ConfigError, DataError) as error:
-        say(error_line(PROG, error, debug))
-        return 2
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -105,7 +114,7 @@ def _run(args: argparse.Namespace) -> int:
     records = []
     between = " " if isinstance(session.tokenizer, NullTokenizer) else ""  # ids: space-separated
     for text, prompt_ids, result in zip(prompts, ids, results):
-        completion = session.tokenizer.detokenize(result.tokens)
+        completion = continuation(session.tokenizer, prompt_ids, result.tokens)
         print(f"{text}{between}{completion}\n")
         record = {"prompt": text, "text": completion, "prompt_tokens": prompt_ids}
         records.append({**record, "tokens": result.tokens, "stopped_at_eod": result.stopped_at_eod})

@@ -19,10 +19,11 @@ import sys
 from collections.abc import Sequence
 
 from megapipe.config import ModelConfig
+from megapipe.errors import run_cli
 from megapipe.pipeline.schedules import SCHEDULE_KINDS
 from megapipe.planning.cluster import GIB, PRESETS
 from megapipe.planning.layout import RECOMPUTE_MODES
-from megapipe.planning.presets import MEGATRON_WEAK_SCALING, MODELS
+from megapipe.planning.presets import MEGATRON_WEAK_SCALING, MODELS, published_batch
 from megapipe.planning.report import format_plan
 from megapipe.planning.search import PlanOptions, plan
 from megapipe.planning.time_model import TimeKnobs
@@ -73,7 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
         (("--vocab-size", "--vocab"), "Vocabulary (padded as Megatron does)."),
         (("--seq-length", "--seq"), "Sequence length."),
         (("--ffn-hidden-size", "--ffn"), "MLP size; default 4h (SwiGLU: Megatron's 8h/3)."),
-        (("--global-batch-size", "--global-batch"), "Sequences per step."),
+        (
+            ("--global-batch-size", "--global-batch"),
+            "Sequences per step; default with --model-preset: the batch its paper trained with.",
+        ),
     ):
         model.add_argument(*names, type=_positive_int, help=help_text)
     model.add_argument("--swiglu", action="store_true", help="SwiGLU MLP.")
@@ -176,9 +180,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     model = _model(args, parser)
     published = {run.name: run for run in MEGATRON_WEAK_SCALING}.get(args.model_preset)
-    global_batch = args.global_batch_size or (published.batch if published else None)
+    global_batch = args.global_batch_size or published_batch(args.model_preset)
     if global_batch is None:
-        parser.error("--global-batch-size is required")
+        parser.error("--global-batch-size is required (a --model-preset brings its paper's)")
     cluster = PRESETS[args.cluster]
     nodes = args.nodes or (published.gpus // cluster.gpus_per_node if published else 1)
     changes = {"nodes": nodes}
@@ -224,4 +228,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(PROG, main))

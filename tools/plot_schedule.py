@@ -1,4 +1,4 @@
-"""Draw a pipeline schedule as a PNG timeline, simulated or measured.
+"""Draw a pipeline schedule as a timeline image (PNG, SVG, PDF, ...), simulated or measured.
 
     python tools/plot_schedule.py --schedule interleaved-1f1b --pp 4 --vp 2 --microbatches 8 \\
         --output docs/schedule_interleaved_sim.png
@@ -19,16 +19,34 @@ import sys
 from collections.abc import Sequence
 
 from megapipe.data.tool_cli import OneLineParser
-from megapipe.errors import ConfigError, error_line, split_debug
+from megapipe.errors import ConfigError, MegapipeError, error_line, split_debug
 from megapipe.pipeline.schedules import SCHEDULE_KINDS, validate_schedule
 from megapipe.pipeline.timeline import (
-    TraceFormatError,
     load_trace,
     measured_timeline,
     simulated_timeline,
 )
 
 PROG = "plot_schedule.py"
+
+# The schedule checks speak pretrain_gpt.py's flags; this tool's own stand in for them.
+TOOL_FLAGS = (
+    ("--pipeline-schedule", "--schedule"),
+    (
+        "virtual pipeline stages (--num-layers-per-virtual-pipeline-stage or "
+        "--num-virtual-stages-per-pipeline-rank)",
+        "--vp 2 or more (model chunks per rank)",
+    ),
+    ("--pipeline-model-parallel-size", "--pp"),
+    ("(global batch = micro-batch x data-parallel size x micro-batches)", "(--microbatches)"),
+)
+
+
+def in_tool_flags(message: str) -> str:
+    """A schedule check's message with this tool's flag names."""
+    for training, tool in TOOL_FLAGS:
+        message = message.replace(training, tool)
+    return message
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,7 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--vp", type=int, default=1, help="Chunks per rank (simulated). Default 1.")
     parser.add_argument("--microbatches", type=int, default=8, help="Simulated. Default 8.")
     parser.add_argument("--step", type=int, help="Trace iteration to draw (default: the last).")
-    parser.add_argument("--output", required=True, help="PNG file to write.")
+    parser.add_argument(
+        "--output",
+        required=True,
+        help="Image file to write, in the format its suffix names (.png, .svg, .pdf, .jpg, ...).",
+    )
     return parser
 
 
@@ -54,15 +76,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
-    from megapipe.pipeline.timeline_plot import draw_timeline
+    from megapipe.pipeline.timeline_plot import draw_timeline, image_format
 
     try:
+        image_format(args.output)
         if args.trace:
             timeline = measured_timeline(load_trace(args.trace), args.step)
         else:
-            validate_schedule(args.schedule, args.pp, args.vp, args.microbatches)
+            try:
+                validate_schedule(args.schedule, args.pp, args.vp, args.microbatches)
+            except ConfigError as error:
+                raise ConfigError(in_tool_flags(str(error))) from error
             timeline = simulated_timeline(args.schedule, args.pp, args.vp, args.microbatches)
-    except (ConfigError, TraceFormatError) as error:
+    except MegapipeError as error:  # a bad schedule or trace: one line, status 1
         print(error_line(PROG, error, debug), file=sys.stderr)
         return 1
     draw_timeline(timeline, args.output)

@@ -29,12 +29,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch.distributed as dist  # noqa: E402
 
-from megapipe.checkpointing.errors import CheckpointError  # noqa: E402
 from megapipe.console import say  # noqa: E402
-from megapipe.data.errors import DataError  # noqa: E402
 from megapipe.data.tool_cli import OneLineParser  # noqa: E402
-from megapipe.errors import ConfigError, error_line, split_debug  # noqa: E402
-from megapipe.inference.generation import GenerationError  # noqa: E402
+from megapipe.errors import run_cli  # noqa: E402
 from megapipe.inference.server import (  # noqa: E402
     ServerError,
     print_address,
@@ -75,14 +72,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """One rank of the job; returns its exit status."""
-    argv, debug = split_debug(sys.argv[1:] if argv is None else argv)
+    """One rank of the job; returns its exit status: any megapipe error is one line on stderr
+    and status 2 (`--debug`: the traceback first)."""
+    return run_cli(PROG, _main, argv, status=2)
+
+
+def _main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     try:
         return _run(args)
-    except (GenerationError, CheckpointError, ConfigError, DataError, ServerError) as error:
-        say(error_line(PROG, error, debug))
-        return 2
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

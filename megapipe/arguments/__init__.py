@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import warnings
 from collections.abc import Sequence
@@ -34,6 +35,7 @@ from megapipe.arguments.parallel_flags import add_distributed_args, virtual_stag
 from megapipe.arguments.recompute_flags import add_recompute_args, recompute_config
 from megapipe.arguments.training_flags import add_optimizer_args, add_training_args
 from megapipe.arguments.validation import validate_configs, validate_parallel
+from megapipe.checkpointing.tracker import checkpoint_to_load
 from megapipe.config import (
     CheckpointConfig,
     Configs,
@@ -176,11 +178,26 @@ def parse_args(argv: Sequence[str] | None, world_size: int) -> Configs:
         checkpoint=checkpoint,
         recompute=recompute_config(args),
         kernels=kernel_config(args),
-        arguments=tuple((name, repr(value)) for name, value in sorted(vars(args).items())),
+        arguments=tuple(
+            (name, repr(_recorded(name, value))) for name, value in sorted(vars(args).items())
+        ),
     )
     for note in notes:
         warnings.warn(note, stacklevel=2)
     return dataclasses.replace(configs, warnings=tuple(notes) + configs.warnings)
+
+
+# Files a checkpoint's readers open again (tools/generate_text.py, the Hugging Face export):
+# recorded as absolute paths, so that they work from any directory, not only the launch one.
+RECORDED_AS_ABSOLUTE = ("tokenizer_model", "vocab_file", "merge_file")
+
+
+def _recorded(name: str, value: object) -> object:
+    """A flag's value as the run records it (checkpoint `args`, TensorBoard): an existing file
+    a reader reopens becomes absolute (a Hugging Face hub name that is no path stays as it is)."""
+    if name in RECORDED_AS_ABSOLUTE and isinstance(value, str) and os.path.exists(value):
+        return os.path.abspath(value)
+    return value
 
 
 def _from_args(cls: type[T], args: argparse.Namespace) -> T:
@@ -257,8 +274,6 @@ def checkpoint_notes(checkpoint: CheckpointConfig) -> list[str]:
 
     A --load directory without a checkpoint starts from scratch (as in Megatron) unless
     --exit-on-missing-checkpoint; a named iteration that does not exist is an error."""
-    from megapipe.checkpointing.checkpointer import checkpoint_to_load
-
     if checkpoint.ckpt_format not in ("torch_dist", "torch"):
         raise ConfigError(
             f"--ckpt-format {checkpoint.ckpt_format!r}: choose torch_dist (layout-free, "

@@ -34,6 +34,15 @@ FUSION_SWITCHES = (
     ("--no-persist-layer-norm", "persist_layer_norm", False),
     ("--cross-entropy-loss-fusion", "cross_entropy_loss_fusion", True),
 )
+FUSION_HELP = {
+    "--no-bias-gelu-fusion": "Add the MLP bias and apply GeLU as two ops, not one fused kernel.",
+    "--no-bias-dropout-fusion": "Bias, dropout and residual add as separate ops, not fused.",
+    "--no-bias-swiglu-fusion": "Add the MLP bias and apply SwiGLU as separate ops, not fused.",
+    "--no-masked-softmax-fusion": "Mask, scale and softmax the attention scores unfused.",
+    "--no-rope-fusion": "Apply rotary position embeddings without the fused kernel.",
+    "--no-persist-layer-norm": "Do not use the persistent LayerNorm kernel (apex).",
+    "--cross-entropy-loss-fusion": "Compute the cross-entropy loss with the fused kernel.",
+}
 
 
 def add_kernel_args(group: argparse._ArgumentGroup) -> None:
@@ -97,10 +106,8 @@ def add_kernel_args(group: argparse._ArgumentGroup) -> None:
         help="How the scale comes from the amax history. Default: max.",
     )
     for name, field, value in FUSION_SWITCHES:
-        what = name.removeprefix("--no-").removeprefix("--").replace("-", " ")
-        help_text = f"Use the fused {what} kernel." if value else f"Do not fuse {what}."
         group.add_argument(name, dest=field, action="store_const", const=value,
-                           default=not value, help=help_text)  # fmt: skip
+                           default=not value, help=FUSION_HELP[name])  # fmt: skip
 
 
 def kernel_config(args: argparse.Namespace) -> KernelConfig:

@@ -96,11 +96,11 @@ def add_regularization_args(group: argparse._ArgumentGroup) -> None:
         "--attention-dropout",
         type=float,
         default=0.1,
-        help="Post attention dropout probability. Default: 0.1.",
+        help="Dropout probability on the attention weights. Default: 0.1.",
     )
     group.add_argument(
         "--hidden-dropout",
         type=float,
         default=0.1,
-        help="Dropout probability for hidden state transformer. Default: 0.1.",
+        help="Dropout probability on the hidden states (after attention and MLP). Default: 0.1.",
     )

@@ -73,7 +73,7 @@ def add_training_args(group: argparse._ArgumentGroup) -> None:
         "--exit-interval",
         type=int,
         default=None,
-        help="Exit the program after the iteration is divisible by this value.",
+        help="Exit after the first iteration divisible by this value.",
     )
     group.add_argument(
         "--exit-duration-in-mins",
@@ -112,7 +112,7 @@ def add_training_args(group: argparse._ArgumentGroup) -> None:
         "--log-interval",
         type=int,
         default=100,
-        help="Report loss and timing interval. Default: 100.",
+        help="Iterations between log lines (loss and timing). Default: 100.",
     )
 
 

@@ -74,6 +74,26 @@ MEGATRON_WEAK_SCALING: tuple[PublishedRun, ...] = (
     PublishedRun(1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163, 52),
 )
 
+# GPT-3's batch sizes (Table 2.1, in tokens: 0.5M, 0.5M, 0.5M, 1M, 1M, 2M, 2M, 3.2M) as
+# sequences of 2048; 175B's 3.2M tokens as Megatron-LM's GPT-3 175B config rounds it (1536).
+GPT3_BATCH: dict[str, int] = {
+    "gpt3-125m": 256,
+    "gpt3-350m": 256,
+    "gpt3-760m": 256,
+    "gpt3-1.3b": 512,
+    "gpt3-2.7b": 512,
+    "gpt3-6.7b": 1024,
+    "gpt3-13b": 1024,
+    "gpt3-175b": 1536,
+}
+
+
+def published_batch(preset: str | None) -> int | None:
+    """The global batch (sequences) a preset's paper trained with; None without a preset."""
+    runs = {run.name: run.batch for run in MEGATRON_WEAK_SCALING}
+    return GPT3_BATCH.get(preset) or runs.get(preset) if preset else None
+
+
 MODELS: dict[str, ModelConfig] = {
     **GPT3,
     **{run.name: run.model for run in MEGATRON_WEAK_SCALING},

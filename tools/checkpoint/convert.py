@@ -15,13 +15,13 @@ from collections.abc import Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from megapipe.checkpointing.convert import convert  # noqa: E402
-from megapipe.checkpointing.errors import CheckpointError  # noqa: E402
-from megapipe.checkpointing.hf_export import export_hf  # noqa: E402
-from megapipe.checkpointing.hf_import import import_hf  # noqa: E402
+from megapipe.arguments.validation import validate_model  # noqa: E402
 from megapipe.checkpointing.hf_safetensors import DEFAULT_MAX_SHARD_SIZE  # noqa: E402
+from megapipe.conversion.convert import convert  # noqa: E402
+from megapipe.conversion.hf_export import export_hf  # noqa: E402
+from megapipe.conversion.hf_import import import_hf  # noqa: E402
 from megapipe.data.tool_cli import OneLineParser  # noqa: E402
-from megapipe.errors import ConfigError, error_line, split_debug  # noqa: E402
+from megapipe.errors import run_cli  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,36 +74,36 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Convert; a bad checkpoint or layout is one line on stderr and exit status 2 (`--debug`:
-    the traceback first)."""
-    argv, debug = split_debug(sys.argv[1:] if argv is None else argv)
+    """Convert; a bad checkpoint or layout (any megapipe error, or an OSError) is one line on
+    stderr and exit status 2 (`--debug`: the traceback first)."""
+    return run_cli("convert.py", _run, argv, status=2, also=(OSError,))
+
+
+def _run(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.loader == "hf" and args.saver == "hf":
         print("convert.py: error: --loader hf with --saver hf: nothing to convert", file=sys.stderr)
         return 2
-    try:
-        if args.saver == "hf":
-            export_hf(args.load_dir, args.save_dir, max_shard_size=args.max_shard_size)
-            return 0
-        if args.loader == "hf":
-            import_hf(
-                args.load_dir,
-                args.save_dir,
-                args.target_tensor_parallel_size,
-                args.target_pipeline_model_parallel_size,
-                args.target_ckpt_format,
-            )
-            return 0
-        convert(
+    if args.saver == "hf":
+        export_hf(args.load_dir, args.save_dir, max_shard_size=args.max_shard_size)
+        return 0
+    if args.loader == "hf":
+        import_hf(
             args.load_dir,
             args.save_dir,
             args.target_tensor_parallel_size,
             args.target_pipeline_model_parallel_size,
             args.target_ckpt_format,
+            validate=validate_model,
         )
-    except (CheckpointError, ConfigError, OSError) as error:
-        print(error_line("convert.py", error, debug), file=sys.stderr)
-        return 2
+        return 0
+    convert(
+        args.load_dir,
+        args.save_dir,
+        args.target_tensor_parallel_size,
+        args.target_pipeline_model_parallel_size,
+        args.target_ckpt_format,
+    )
     print("note: model weights only; the optimizer state was dropped (load with --no-load-optim)")
     return 0
 
