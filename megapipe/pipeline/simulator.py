@@ -108,176 +108,218 @@ def simulate(
     ordering: "gloo" or "nccl" (see the module docstring); channel(rank, op): the process
     group (stream) that `op` of `rank` travels over under "nccl".
     """
-    p = len(schedules)
-    nccl = ordering == "nccl"
-    pc = [0] * p
-    clock = [0.0] * p
-    queued: set[tuple] = set()  # (side, key) handed to p2p by the rank
-    posted: dict[tuple, float] = {}  # (side, key) -> when it started (nccl: reached its stream)
-    posted_batches: set[tuple[int, int]] = set()
-    channel_order: dict[tuple, list] = {}  # (side, pair, group) -> transfer keys in post order
-    # nccl: per rank and group, the sub-batches posted and not yet complete, oldest first
-    streams: list[dict[Hashable, list[list[tuple]]]] = [{} for _ in range(p)]
-    stream_free: dict[tuple[int, Hashable], float] = {}  # when its last sub-batch completed
-    sends: list[list[tuple[P2P, tuple]]] = [[] for _ in range(p)]  # gloo: in flight, per rank
-    done: list[set] = [set() for _ in range(p)]
-    in_flight = [0] * p
-    sim = Simulation(p, peak_in_flight=[0] * p)
-    last_stage = p * num_chunks - 1
-    split = any(isinstance(a, Compute) and a.phase == "W" for s in schedules for a in s)
-    final_phase = "W" if split else "B"
-    cost = {"F": forward_cost, "B": backward_cost, "W": weight_cost}
+    costs = {"F": forward_cost, "B": backward_cost, "W": weight_cost}
+    if compute_cost is None:
+        compute_cost = lambda rank, step: costs[step.phase]  # noqa: E731
+    run = _Run(schedules, num_chunks, comm_cost, forward_only, compute_cost, ordering, channel)
+    run.execute()
+    run.check(num_microbatches, num_chunks)
+    return run.sim
 
-    def arrival(side_key: tuple) -> float | None:
-        """When the transfer of one side completes: both sides started, plus its cost."""
+
+class _Run:
+    """The state of one simulation: every rank's position in its list, clock and transfers.
+
+    A transfer is keyed by its side and `transfer_key` ((side, key) below). `queued`: handed
+    to p2p by its rank; `started`: when it can move (gloo: when posted; nccl: when its
+    sub-batch reached the head of its group's stream). A transfer completes (`arrival`) once
+    both sides have started, plus the transfer's cost.
+    """
+
+    def __init__(
+        self,
+        schedules: Sequence[Sequence[Action]],
+        num_chunks: int,
+        comm_cost: float,
+        forward_only: bool,
+        compute_cost: Callable[[int, Compute], float],
+        ordering: Ordering,
+        channel: Callable[[int, P2P], Hashable],
+    ) -> None:
+        p = len(schedules)
+        self.schedules, self.p = schedules, p
+        self.comm_cost, self.forward_only, self.compute_cost = comm_cost, forward_only, compute_cost
+        self.nccl, self.channel = ordering == "nccl", channel
+        self.pc = [0] * p
+        self.clock = [0.0] * p
+        self.queued: set[tuple] = set()
+        self.started: dict[tuple, float] = {}
+        self.posted_batches: set[tuple[int, int]] = set()
+        self.order: dict[tuple, list] = {}  # (side, pair, group) -> transfer keys in post order
+        self.handed_over: dict[tuple, float] = {}  # nccl: when the host queued each transfer
+        # nccl: per rank and group, the sub-batches posted and not yet complete, oldest first
+        self.streams: list[dict[Hashable, list[list[tuple]]]] = [{} for _ in range(p)]
+        self.stream_free: dict[tuple[int, Hashable], float] = {}  # its last sub-batch's end
+        self.sends: list[list[tuple[P2P, tuple]]] = [[] for _ in range(p)]  # gloo: in flight
+        self.done: list[set] = [set() for _ in range(p)]
+        self.in_flight = [0] * p
+        self.sim = Simulation(p, peak_in_flight=[0] * p)
+        self.last_stage = p * num_chunks - 1
+        split = any(isinstance(a, Compute) and a.phase == "W" for s in schedules for a in s)
+        self.phases = "F" if forward_only else ("FBW" if split else "FB")
+        self.final_phase = "W" if split else "B"
+
+    def arrival(self, side_key: tuple) -> float | None:
+        """When the transfer of one side completes, or None while it cannot."""
         side, key = side_key
         partner = ("recv" if side == "send" else "send", key)
-        if side_key not in posted or partner not in posted:
+        if side_key not in self.started or partner not in self.started:
             return None
-        return max(posted[side_key], posted[partner]) + comm_cost
+        return max(self.started[side_key], self.started[partner]) + self.comm_cost
 
-    def advance_streams(rank: int) -> bool:
+    def execute(self) -> None:
+        """Advance every rank as far as it can, until nothing moves; raise on a deadlock."""
+        progress = True
+        while progress:
+            progress = False
+            for rank in range(self.p):
+                progress |= self._advance(rank)
+        stuck = [
+            r
+            for r in range(self.p)
+            if self.pc[r] < len(self.schedules[r]) or self.sends[r] or any(self.streams[r].values())
+        ]
+        if stuck:
+            waits = [_waiting(r, self.schedules, self.pc, self.sends, self.streams) for r in stuck]
+            raise ScheduleError("deadlock: " + "; ".join(waits))
+        if self.nccl:  # a rank's step ends when its streams are idle
+            for (rank, _), free in self.stream_free.items():
+                self.clock[rank] = max(self.clock[rank], free)
+
+    def _advance(self, rank: int) -> bool:
+        moved = False
+        actions = self.schedules[rank]
+        while self.pc[rank] < len(actions):
+            moved |= self.nccl and self._advance_streams(rank)
+            action = actions[self.pc[rank]]
+            ran = (
+                self._compute(rank, action)
+                if isinstance(action, Compute)
+                else self._comm(rank, action)
+            )
+            if not ran:
+                break
+            self.pc[rank] += 1
+            moved = True
+        moved |= self.nccl and self._advance_streams(rank)
+        if self.pc[rank] == len(actions) and self.sends[rank] and self._drain(rank):
+            moved = True
+        return moved
+
+    def _advance_streams(self, rank: int) -> bool:
         """nccl: start each group's oldest sub-batch, retire it once all its transfers are
         done, and start the next one then; True if anything moved."""
         moved = False
-        for group, batches in streams[rank].items():
+        for group, batches in self.streams[rank].items():
             while batches:
                 head = batches[0]
-                if head[0] not in posted:  # starts when the one before it completed
-                    at = max(posted_at[head[0]], stream_free.get((rank, group), 0.0))
-                    posted.update((side_key, at) for side_key in head)
+                if head[0] not in self.started:  # starts when the one before it completed
+                    at = max(self.handed_over[head[0]], self.stream_free.get((rank, group), 0.0))
+                    self.started.update((side_key, at) for side_key in head)
                     moved = True
-                finished = [arrival(side_key) for side_key in head]
+                finished = [self.arrival(side_key) for side_key in head]
                 if any(t is None for t in finished):
                     break
-                stream_free[(rank, group)] = max(finished)
+                self.stream_free[(rank, group)] = max(finished)
                 batches.pop(0)
                 moved = True
         return moved
 
-    posted_at: dict[tuple, float] = {}  # nccl: when the host handed each transfer over
-
-    def try_compute(rank: int, step: Compute) -> bool:
-        stage = step.chunk * p + rank
+    def _compute(self, rank: int, step: Compute) -> bool:
+        """Run `step` once its input has arrived; False while it has not."""
+        stage = step.chunk * self.p + rank
         unit = (step.phase, step.microbatch, step.chunk)
-        if forward_only and step.phase != "F":
+        if self.forward_only and step.phase != "F":
             raise ScheduleError(f"rank {rank} runs {step} in a forward-only schedule")
-        if unit in done[rank]:
+        if unit in self.done[rank]:
             raise ScheduleError(f"rank {rank} runs {step} twice")
         needs = None
         if step.phase == "F":
             needs = ("F", step.microbatch, stage - 1, stage) if stage > 0 else None
-        elif ("F" if step.phase == "B" else "B", *unit[1:]) not in done[rank]:
+        elif ("F" if step.phase == "B" else "B", *unit[1:]) not in self.done[rank]:
             before = "forward" if step.phase == "B" else "B"
             raise ScheduleError(f"rank {rank} runs {step} before its {before}")
-        elif step.phase == "B":
-            needs = ("B", step.microbatch, stage + 1, stage) if stage < last_stage else None
-        start = clock[rank]
-        duration = cost[step.phase] if compute_cost is None else compute_cost(rank, step)
+        elif step.phase == "B" and stage < self.last_stage:
+            needs = ("B", step.microbatch, stage + 1, stage)
+        start = self.clock[rank]
         if needs is not None:
-            if ("recv", needs) not in queued:
+            if ("recv", needs) not in self.queued:
                 raise ScheduleError(f"rank {rank} runs {step} before receiving its input")
-            ready = arrival(("recv", needs))
+            ready = self.arrival(("recv", needs))
             if ready is None:
                 return False
             start = max(start, ready)
-        sim.intervals.append(Interval(rank, step, start, start + duration))
-        clock[rank] = start + duration
-        done[rank].add(unit)
+        end = start + self.compute_cost(rank, step)
+        self.sim.intervals.append(Interval(rank, step, start, end))
+        self.clock[rank] = end
+        self.done[rank].add(unit)
         if step.phase == "F":
-            if not (forward_only and stage == last_stage):  # the last stage keeps only a loss
-                in_flight[rank] += 1
-                sim.peak_in_flight[rank] = max(sim.peak_in_flight[rank], in_flight[rank])
-        elif step.phase == final_phase:
-            in_flight[rank] -= 1
+            if not (self.forward_only and stage == self.last_stage):  # the last keeps a loss
+                self._hold(rank, +1)
+        elif step.phase == self.final_phase:
+            self._hold(rank, -1)
         return True
 
-    def try_drain(rank: int, keep: int = 0) -> bool:
+    def _hold(self, rank: int, change: int) -> None:
+        self.in_flight[rank] += change
+        self.sim.peak_in_flight[rank] = max(self.sim.peak_in_flight[rank], self.in_flight[rank])
+
+    def _drain(self, rank: int, keep: int = 0) -> bool:
         """gloo: wait for this rank's sends in flight but the newest `keep` (just posted)."""
-        older = sends[rank][: len(sends[rank]) - keep]
-        finished = [arrival(("send", key)) for _, key in older]
+        older = self.sends[rank][: len(self.sends[rank]) - keep]
+        finished = [self.arrival(("send", key)) for _, key in older]
         if any(t is None for t in finished):
             return False
-        clock[rank] = max([clock[rank], *finished])
-        del sends[rank][: len(older)]
+        self.clock[rank] = max([self.clock[rank], *finished])
+        del self.sends[rank][: len(older)]
         return True
 
-    def try_comm(rank: int, batch: Comm) -> bool:
+    def _comm(self, rank: int, batch: Comm) -> bool:
         """Post the batch (once); gloo: then wait for the sends of the rank's earlier batches.
         nccl: one sub-batch per group, each queued on its group's stream; the host goes on."""
-        new_sends = sum(op.op == "send" for op in batch.ops)
-        if (rank, pc[rank]) not in posted_batches:
-            posted_batches.add((rank, pc[rank]))
+        if (rank, self.pc[rank]) not in self.posted_batches:
+            self.posted_batches.add((rank, self.pc[rank]))
             by_group: dict[Hashable, list[tuple]] = {}
             for op in batch.ops:
-                side_key = (op.op, transfer_key(op, rank, p))
-                if side_key in queued:
+                side_key = (op.op, transfer_key(op, rank, self.p))
+                if side_key in self.queued:
                     raise ScheduleError(f"rank {rank} posts {side_key} twice")
-                queued.add(side_key)
-                group = channel(rank, op) if nccl else None
+                self.queued.add(side_key)
+                group = self.channel(rank, op) if self.nccl else None
                 pair = (rank, op.peer) if op.op == "send" else (op.peer, rank)
-                channel_order.setdefault((op.op, pair, group), []).append(side_key[1])
-                if nccl:
-                    posted_at[side_key] = clock[rank]
+                self.order.setdefault((op.op, pair, group), []).append(side_key[1])
+                if self.nccl:
+                    self.handed_over[side_key] = self.clock[rank]
                     by_group.setdefault(group, []).append(side_key)
                 else:
-                    posted[side_key] = clock[rank]
+                    self.started[side_key] = self.clock[rank]
                     if op.op == "send":
-                        sends[rank].append((op, side_key[1]))
-                if op.op == "send" and forward_only:  # the output is let go of once handed over
-                    in_flight[rank] -= 1
+                        self.sends[rank].append((op, side_key[1]))
+                if op.op == "send" and self.forward_only:  # the output is let go of when sent
+                    self.in_flight[rank] -= 1
             for group, sub_batch in by_group.items():
-                streams[rank].setdefault(group, []).append(sub_batch)
-        return nccl or try_drain(rank, keep=new_sends)
+                self.streams[rank].setdefault(group, []).append(sub_batch)
+        new_sends = sum(op.op == "send" for op in batch.ops)
+        return self.nccl or self._drain(rank, keep=new_sends)
 
-    def streams_idle(rank: int) -> bool:
-        return not any(streams[rank].values())
-
-    progress = True
-    while progress:
-        progress = False
-        for rank in range(p):
-            while pc[rank] < len(schedules[rank]):
-                if nccl and advance_streams(rank):
-                    progress = True
-                action = schedules[rank][pc[rank]]
-                ran = (
-                    try_compute(rank, action)
-                    if isinstance(action, Compute)
-                    else try_comm(rank, action)
+    def check(self, num_microbatches: int, num_chunks: int) -> None:
+        """FIFO matching pairs the right tensors, and every rank ran all its work."""
+        for (side, pair, group), order in self.order.items():
+            if side == "send" and order != self.order.get(("recv", pair, group)):
+                raise ScheduleError(
+                    f"ranks {pair[0]} -> {pair[1]} post sends and receives in different orders; "
+                    "FIFO matching would swap tensors"
                 )
-                if not ran:
-                    break
-                pc[rank] += 1
-                progress = True
-            if nccl and advance_streams(rank):
-                progress = True
-            if pc[rank] == len(schedules[rank]) and sends[rank] and try_drain(rank):
-                progress = True
-
-    stuck = [r for r in range(p) if pc[r] < len(schedules[r]) or sends[r] or not streams_idle(r)]
-    if stuck:
-        raise ScheduleError(
-            "deadlock: " + "; ".join(_waiting(r, schedules, pc, sends, streams) for r in stuck)
-        )
-    if nccl:  # a rank's step ends when its streams are idle
-        for rank in range(p):
-            clock[rank] = max([clock[rank], *(t for (r, _), t in stream_free.items() if r == rank)])
-    for (side, pair, group), order in channel_order.items():
-        if side == "send" and order != channel_order.get(("recv", pair, group)):
-            raise ScheduleError(
-                f"ranks {pair[0]} -> {pair[1]} post sends and receives in different orders; "
-                "FIFO matching would swap tensors"
-            )
-    phases = "F" if forward_only else ("FBW" if split else "FB")
-    expected = {
-        (ph, i, c) for ph in phases for i in range(num_microbatches) for c in range(num_chunks)
-    }
-    for rank in range(p):
-        if done[rank] != expected:
-            missing = sorted(expected - done[rank])
-            raise ScheduleError(f"rank {rank} never runs {missing[:4]}")
-    return sim
+        expected = {
+            (ph, i, c)
+            for ph in self.phases
+            for i in range(num_microbatches)
+            for c in range(num_chunks)
+        }
+        for rank in range(self.p):
+            if self.done[rank] != expected:
+                missing = sorted(expected - self.done[rank])
+                raise ScheduleError(f"rank {rank} never runs {missing[:4]}")
 
 
 def _waiting(rank: int, schedules, pc: list[int], sends, streams) -> str:
