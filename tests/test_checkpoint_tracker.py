@@ -163,3 +163,16 @@ def test_a_rerun_in_a_used_save_folder_leaves_no_stale_iteration(fmt: str, tmp_p
         train_with_flags, 1, flags + ["--train-iters", "3", "--load", str(save)]
     )
     assert "at iteration 2" in outputs[0][1]  # resumes this run's latest, not the earlier run's
+
+
+def test_generation_names_the_saved_iterations_for_a_missing_ckpt_step(tmp_path) -> None:
+    from megapipe.checkpointing.errors import CheckpointError
+    from megapipe.inference.loading import checkpoint_directory
+
+    for iteration in (2, 4):
+        (tmp_path / f"iter_{iteration:07d}").mkdir()
+    with pytest.raises(CheckpointError) as caught:
+        checkpoint_directory(str(tmp_path), 7)
+    assert "--ckpt-step 7" in str(caught.value)
+    assert "iterations saved there: 2, 4" in str(caught.value)
+    assert checkpoint_directory(str(tmp_path), 4).endswith("iter_0000004")

@@ -85,7 +85,8 @@ def saved_iterations(directory: str) -> list[int]:
     return sorted(int(m[1]) for m in found if m and os.path.isdir(os.path.join(directory, m[0])))
 
 
-def _listing(directory: str) -> str:
+def saved_listing(directory: str) -> str:
+    """ "iterations saved there: 2, 4" (or that none are), for errors naming a missing one."""
     saved = saved_iterations(directory)
     if not saved:
         return "no iterations are saved there"
@@ -104,7 +105,7 @@ def checkpoint_to_load(checkpoint: CheckpointConfig) -> int | None:
         if not os.path.isdir(directory):
             raise ConfigError(  # two pieces: the bad-input catalogue reads the first
                 f"--ckpt-step {checkpoint.ckpt_step}: {directory} does not exist "
-                + f"({_listing(checkpoint.load)})"
+                + f"({saved_listing(checkpoint.load)})"
             )
         return checkpoint.ckpt_step
     try:

@@ -19,7 +19,7 @@ from megapipe.checkpointing import legacy_torch
 from megapipe.checkpointing.errors import CheckpointError
 from megapipe.checkpointing.layout_free import model_shards
 from megapipe.checkpointing.torch_dist import load_common, load_sharded, read_metadata
-from megapipe.checkpointing.tracker import iteration_dir
+from megapipe.checkpointing.tracker import iteration_dir, saved_listing
 from megapipe.config import ModelConfig
 from megapipe.conversion.convert import (
     WORD_EMBEDDING,
@@ -63,7 +63,9 @@ def checkpoint_directory(load_dir: str, ckpt_step: int | None = None) -> str:
         return resolve(load_dir, "--load")[0]
     directory = iteration_dir(load_dir, ckpt_step)
     if not os.path.isdir(directory):
-        raise CheckpointError(f"--ckpt-step {ckpt_step}: {directory} does not exist")
+        raise CheckpointError(
+            f"--ckpt-step {ckpt_step}: {directory} does not exist ({saved_listing(load_dir)})"
+        )
     return directory
 
 
