@@ -9,6 +9,7 @@ pipeline parity check (its modules imported here, before any rank is forked). Op
 
 from __future__ import annotations
 
+import collections
 import functools
 import importlib.util
 import os
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megapipe.config import ModelConfig
 from megapipe.data.batch import TrainingBatch
@@ -379,3 +381,16 @@ def check_pipeline_parity(
             first, last = results[t]["shared"], results[t + tp * (pp - 1)]["shared"]
             assert len(first) == len(last) == 1
             assert torch.equal(first[0], last[0])
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched while it is active, by name (`counts["mm"]`): how tests
+    count kernels, host syncs or collectives' local ops without timing anything."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))

@@ -4,16 +4,15 @@ path (`by_dot=False`, what CUDA runs) is one `torch._foreach_norm` per dtype, ch
 `torch.nn.utils.clip_grad_norm_` as the independent reference, with its op count fixed
 whatever the tensors' size (it was two ops per 1M-entry slice)."""
 
-import collections
 import math
 
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from megapipe.distributed import grad_norm
 from megapipe.distributed.grad_norm import sum_of_squares
+from tests.helpers import OpCounter
 
 
 @pytest.mark.parametrize("by_dot", [True, False], ids=["dot", "foreach"])
@@ -56,18 +55,6 @@ def test_no_temporary_larger_than_a_slice(by_dot: bool) -> None:
     assert math.isclose(float(total), exact, rel_tol=1e-6 if by_dot else 5e-4)
 
 
-class _CountOps(TorchDispatchMode):
-    """Counts the aten ops run under it, by name."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _model_grads(seed: int, dtype: torch.dtype) -> tuple[torch.nn.Module, list[torch.Tensor]]:
     """A model with a few large parameters (8.4 M entries) and random gradients."""
     torch.manual_seed(seed)
@@ -82,9 +69,9 @@ def _model_grads(seed: int, dtype: torch.dtype) -> tuple[torch.nn.Module, list[t
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_device_path_is_one_foreach_norm_and_equals_clip_grad_norm(dtype) -> None:
     model, grads = _model_grads(0, dtype)
-    with _CountOps() as counted:
+    with OpCounter() as counted:
         total = sum_of_squares(grads, torch.device("cpu"), by_dot=False)
-    kernels = {op: n for op, n in counted.ops.items() if op != "detach"}  # detach: a view
+    kernels = {op: n for op, n in counted.counts.items() if op != "detach"}  # detach: a view
     # one norm call for all six tensors, then stack, cast, square and sum the six norms;
     # the sliced path ran a mul and a sum per 1M-entry slice: 22 here, ~2,500 at 1.3B
     assert kernels == {"_foreach_norm": 1, "stack": 1, "_to_copy": 1, "mul": 1, "sum": 1}

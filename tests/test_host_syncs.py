@@ -12,18 +12,16 @@ from start-up and show that nothing is paid per micro-batch.
 
 from __future__ import annotations
 
-import collections
-
 import numpy as np
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from megapipe.data.gpt_batches import GPTBatchSource
 from megapipe.data.masks import MaskOptions
 from megapipe.data.mock import MockGPTDataset
 from megapipe.testing import run_distributed, train_with_flags
 from megapipe.training.step import ReadAhead
+from tests.helpers import OpCounter
 
 SYNCING = {"_local_scalar_dense", "is_nonzero", "nonzero", "masked_select", "unique", "equal"}
 BASE = [
@@ -35,26 +33,13 @@ BASE = [
 MAX_SYNCS_PER_STEP = 2  # the step's loss (for the log line) and the grad norm (for clipping)
 
 
-class _SyncCounter(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func._overloadpacket.__name__
-        if name in SYNCING:
-            self.counts[name] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _count_syncs(rank: int, world: int, iters: int, microbatches: int, extra: list[str]):
     dp = world // 2 if "--pipeline-model-parallel-size" in extra else world
     gbs = microbatches * dp
     argv = BASE + ["--train-iters", str(iters), "--global-batch-size", str(gbs)] + extra
-    counter = _SyncCounter()
-    with counter:
+    with OpCounter() as counter:
         train_with_flags(rank, world, argv)
-    return sum(counter.counts.values())
+    return sum(counter.counts[name] for name in SYNCING)
 
 
 @pytest.mark.parametrize(

@@ -196,3 +196,17 @@ def test_lower_packages_do_not_import_upper_ones() -> None:
     stale = sorted(set(ALLOWED_UPWARD) - upward)
     assert not new, "imports against the layering:\n" + "\n".join(f"{a} -> {b}" for a, b in new)
     assert not stale, f"these imports are gone: take them out of ALLOWED_UPWARD: {stale}"
+
+
+def test_the_runtime_never_imports_test_support_and_kernels_never_import_the_model() -> None:
+    """megapipe.testing (harness, parity, reference GPT, kernel cases) is for tests, tools and
+    benchmarks; kernel inputs built from model code made kernels <-> model a cycle."""
+    offenders = [
+        f"{name} imports {target}"
+        for name, targets in import_graph().items()
+        if _package(name) != "testing"
+        for target in targets
+        if _package(target) == "testing"
+        or (_package(name), _package(target)) == ("kernels", "model")
+    ]
+    assert offenders == []

@@ -1,9 +1,7 @@
 """The multi-rank harness itself: results in rank order, failures and hangs surface quickly;
 and test support (megapipe.testing) stays out of the runtime's imports."""
 
-import ast
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -50,35 +48,3 @@ def test_a_hanging_rank_fails_after_the_timeout():
     with pytest.raises(DistributedTestError, match="rank 0 timed out"):
         run_distributed(_rank_zero_hangs, 2, timeout=2)
     assert time.monotonic() - start < 10
-
-
-def _imports(root: Path, relative: Path) -> set[str]:
-    """The modules a file under root imports, absolute, at any depth (lazy imports included)."""
-    package = ".".join(relative.with_suffix("").parts[:-1])
-    names: set[str] = set()
-    for node in ast.walk(ast.parse((root / relative).read_text())):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
-            module = ".".join(filter(None, [base, node.module or ""]))
-            names.add(module)
-            names.update(f"{module}.{alias.name}" for alias in node.names)
-    return names
-
-
-def test_the_runtime_never_imports_test_support_and_kernels_never_import_the_model():
-    """megapipe.testing (harness, parity, reference GPT, kernel cases) is for tests, tools and
-    benchmarks; kernel inputs built from model code made kernels <-> model a cycle."""
-    root = Path(__file__).resolve().parents[1]
-    offenders = []
-    for path in sorted((root / "megapipe").rglob("*.py")):
-        relative = path.relative_to(root)
-        if relative.parts[1] == "testing":
-            continue
-        imports = _imports(root, relative)
-        if any(n == "megapipe.testing" or n.startswith("megapipe.testing.") for n in imports):
-            offenders.append(f"{relative} imports megapipe.testing")
-        if relative.parts[1] == "kernels" and any(n.startswith("megapipe.model") for n in imports):
-            offenders.append(f"{relative} imports megapipe.model")
-    assert offenders == []

@@ -20,8 +20,8 @@
 #
 # The caps are sized for a cold Triton cache (a fresh machine or container, ~/.triton/cache
 # empty): every Triton kernel then compiles on first use, per dtype, forward and backward and
-# per shape specialisation, at ~1-3 s each (LLVM + ptxas), and each pretrain_gpt.py process
-# pays CUDA start-up (~5-10 s) besides. kernels compiles ~40 variants (3 dtypes x 7 kernels x
+# per shape specialisation (LLVM + ptxas; estimated at ~1-3 s each, and CUDA start-up at
+# ~5-10 s per pretrain_gpt.py process: not yet timed here, so the caps err long). kernels compiles ~40 variants (3 dtypes x 7 kernels x
 # forward/backward), training 3-5 runs that each compile their dtype's kernels, mfu and bench
 # the bf16 kernels at their shapes, multi-gpu the same on two ranks at once; a warm rerun takes
 # a fraction of each cap. Caps: kernels 300, training 300, mfu 300, bench 180, multi-gpu 180 s.

@@ -48,9 +48,10 @@ def sum_of_squares(
       float64 at 0.5 M entries and 2e-4 at 4.2 M;
     * elsewhere (CUDA) one `torch._foreach_norm` per dtype over the whole tensors, as
       `torch.nn.utils.clip_grad_norm_` does: CUDA's multi-tensor kernel sums 65,536-entry
-      chunks in fp32 (one launch per 320 chunks, or 2,240 with large kernel arguments) and
-      adds each tensor's chunk sums in a clean-up launch: tens of launches for a 1.3B model
-      where 1M-entry slices took two kernels each (~2,500). The per-tensor norms are squared
+      chunks in fp32 (one launch per 320 chunks, or 2,240 with large kernel arguments, from
+      torch's multi_tensor_apply constants) and adds each tensor's chunk sums in a clean-up
+      launch: tens of launches for a 1.3B model where 1M-entry slices took two kernels each
+      (~2,500, from the parameter count). The per-tensor norms are squared
       and added in float64; bf16/fp16 gradients are read as they are and accumulated in fp32
       (no widened copy). Not yet counted or timed on a GPU.
     """

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from megapipe.activity import Activity
-from megapipe.errors import PipelineCommError
+from megapipe.errors import ConfigError, PipelineCommError
 from megapipe.parallel.state import Group, ParallelState, PipelineLink
 from megapipe.pipeline.schedules import P2P, p2p_link
 
@@ -127,7 +127,7 @@ class P2PCommunicator:
         any_pg = next((g.pg for g in self.links.values()), None)
         self._host_waits = waits_block_host(any_pg)
         if emulate_nccl_order and not self._host_waits:
-            raise ValueError("--emulate-nccl-p2p-order emulates NCCL on gloo; this run is NCCL")
+            raise ConfigError("--emulate-nccl-p2p-order emulates NCCL on gloo; this run is NCCL")
         self._in_flight: list[Posted] = []  # sends, waited for later (gloo only)
         # what this rank waits in, for the watchdog and for errors (shared by the executors
         # that use this communicator, which also record their computes in it)

@@ -44,7 +44,6 @@ from megapipe.pipeline.schedules import (
 )
 
 Ordering = Literal["gloo", "nccl"]
-ORDERINGS: tuple[Ordering, ...] = ("gloo", "nccl")
 
 
 class ScheduleError(MegapipeError, RuntimeError):
