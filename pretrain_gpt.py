@@ -63,7 +63,10 @@ def _run(argv: list[str]) -> int:
         say(f"{PROG}: warning: {note}")
     try:
         state = ParallelState.build(
-            parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size, device
+            parallel.tensor_model_parallel_size,
+            parallel.pipeline_model_parallel_size,
+            device,
+            data_parallel_instances=configs.optimizer.num_distributed_optimizer_instances,
         )
         train(configs, state)
     finally:

@@ -20,10 +20,21 @@ ends when the optimizer step is done; its time is the slower rank's. After a war
 are timed in rotating order over rounds; a round's time is the median of its steps; headline
 numbers are medians over rounds of the per-round ratio variant / DDP.
 
-Part 2, memory per rank. For DP = 1, 2, 4, fp32 and bf16 parameters, with and without the
-distributed optimizer: one training step in freshly forked ranks, then the measured bytes per
-parameter by kind (`ShardedOptimizer.state_bytes_per_parameter()`) next to Megatron-LM's
-published table, and the rank's peak RSS growth (`resource.getrusage`) per parameter.
+Part 2, memory per rank. For every data-parallel sharding strategy (no_shard; optim = ZeRO-1,
+--use-distributed-optimizer; optim_grads = ZeRO-2, --use-megatron-fsdp
+--data-parallel-sharding-strategy optim_grads; optim_grads_params = ZeRO-3, --use-torch-fsdp2),
+fp32 and bf16 parameters, DP = 1, 2, 4: one training step in freshly forked ranks
+(`megapipe.testing.step_memory.measure_step`), measuring
+* the bytes per parameter by kind at rest (`state_bytes_per_parameter()`), read after backward
+  and the optimizer step but before the optimizer's `zero_grad` (which frees FSDP2's sharded
+  gradients), next to the formula for the strategy (`formula_table`);
+* under FSDP2, the peak bytes of gathered parameters during the step: the storages of the
+  unsharded parameters plus the flat all-gather buffers FSDP2 still holds, sampled right after
+  every `FSDPParamGroup.unshard` / `wait_for_unshard` (the only places FSDP2 allocates them),
+  next to `pipeline/stage_memory.gathered_parameter_bytes`, the estimate the start-up table and
+  `--pipeline-partition memory` use;
+* the rank's peak RSS growth (`resource.getrusage`) per parameter.
+(FSDP strategies at DP=1 run the plain path, as megapipe does with a shard group of one.)
 
     python benchmarks/bench_data_parallel.py          # full run: ~2 minutes on 2 cores
     python benchmarks/bench_data_parallel.py --quick  # ~20 s smoke test (ratios not meaningful)
@@ -44,6 +55,7 @@ import time
 import torch
 import torch._dynamo  # noqa: F401  (torch.optim imports it lazily: ~70 MB, not ours to count)
 import torch.distributed as dist
+from round_args import rotating_rounds  # noqa: E402  (benchmarks/, the script's own folder)
 
 # Imported here, before ranks are forked: the ranks inherit them, so neither the timed steps
 # nor the memory deltas include import work.
@@ -53,7 +65,9 @@ from megapipe.data.sampler import micro_batch_range
 from megapipe.data.sources import build_batch_source
 from megapipe.layers.cross_entropy import masked_mean
 from megapipe.parallel.state import ParallelState
+from megapipe.pipeline.stage_memory import MemoryModel
 from megapipe.testing import run_distributed
+from megapipe.testing.step_memory import measure_step
 from megapipe.training.build import build_model_chunks_for
 from megapipe.training.step_by_step import Stepper
 
@@ -210,23 +224,7 @@ def _timing_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     num_params = sum(p.numel() for p in runs["ddp"].params)
     buckets = {n: len(r.optimizer.buffers[0].buckets) for n, r in runs.items() if n != "ddp"}
 
-    names = list(runs)
-    history = {n: [] for n in names}  # (loss, grad norm) of every step, warm-up included
-    times = {n: [] for n in names}  # [round][step] (wall ms, process CPU ms) on this rank
-
-    def timed(name: str) -> tuple[float, float]:
-        dist.barrier()
-        start, cpu = time.perf_counter(), time.process_time()
-        history[name].append(runs[name].step())
-        return (time.perf_counter() - start) * 1e3, (time.process_time() - cpu) * 1e3
-
-    for name in names:
-        for _ in range(args.warmup):
-            timed(name)
-    for r in range(args.rounds):
-        order = names[r % len(names) :] + names[: r % len(names)]
-        for name in order:
-            times[name].append([timed(name) for _ in range(args.steps)])
+    history, times = rotating_rounds({n: r.step for n, r in runs.items()}, args)
     return {
         "times": times,
         "history": history,
@@ -369,29 +367,48 @@ def _maxrss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
+STRATEGY_FLAGS = {
+    "no_shard": [],
+    "optim": ["--use-distributed-optimizer"],
+    "optim_grads": ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads"],
+    "optim_grads_params": ["--use-torch-fsdp2"],
+}
+ZERO = {
+    "no_shard": "DDP",
+    "optim": "ZeRO-1",
+    "optim_grads": "ZeRO-2",
+    "optim_grads_params": "ZeRO-3",
+}
+KINDS = ("params", "grads", "master", "optimizer")
+
+
 def _memory_rank(rank: int, world_size: int, argv: list[str]) -> dict:
     state = ParallelState.build(1, 1)  # process groups first: their buffers are not counted
     rss_before = _rss_bytes()
     run = MegapipeRun(argv, world_size, state)
-    run.step()
-    measured = run.optimizer.state_bytes_per_parameter()
-    num_params = sum(p.numel() for b in run.optimizer.buffers for p in b.params)
+    measured = measure_step(run.stepper)
+    estimate = MemoryModel.of(run.configs).stage(0, [run.configs.model.num_layers], 1)
     return {
-        "bytes_per_param": measured,
-        "num_params": num_params,
+        **measured,
+        "gathered_formula_bytes": estimate.gathered_bytes,
         "peak_rss_delta_bytes": _maxrss_bytes() - rss_before,
     }
 
 
-def megatron_table(dtype: str, distributed: bool, d: int) -> dict[str, float]:
-    """Megatron-LM's bytes per parameter (docs of its distributed optimizer), by kind.
+def formula_table(dtype: str, strategy: str, d: int) -> dict[str, float]:
+    """Bytes per parameter at rest by kind (Adam), for a strategy over d data-parallel ranks.
 
-    bf16 params, fp32 grads: param 2 + grad 4 replicated; fp32 master 4 + Adam m, v 8 = 12
-    sharded: 18 plain, 6 + 12/d distributed (published). fp32 params: the param is its own
-    master, so param 4 + grad 4 replicated and m, v 8 sharded: 16 plain, 8 + 8/d distributed
-    (derived by the same reasoning).
+    bf16 params, fp32 grads: param 2 + grad 4 replicated; fp32 master 4 + Adam m, v 8 = 12:
+    18 plain, 6 + 12/d with ZeRO-1 (Megatron-LM's published table). fp32: the param is its own
+    master: 16 plain, 8 + 8/d ZeRO-1. ZeRO-2/3 on FSDP2 (megapipe/distributed/fsdp.py): the
+    fp32 parameter shard (the master) 4/d, the fp32 gradient shard 4/d, m and v 8/d: 16/d for
+    either dtype (Megatron-LM's ZeRO-2 row, 4 + 12/d, keeps the params replicated; FSDP2
+    shards them between steps and gathers them during the step, which `gathered` measures).
+    A shard group of one rank runs the plain path: no_shard's numbers.
     """
-    shard = d if distributed else 1
+    if strategy in ("optim_grads", "optim_grads_params") and d > 1:
+        return {"params": 4 / d, "grads": 4 / d, "master": 0, "optimizer": 8 / d}
+    shard = d if strategy == "optim" else 1
     if dtype == "bf16":
         return {"params": 2, "grads": 4, "master": 4 / shard, "optimizer": 8 / shard}
     return {"params": 4, "grads": 4, "master": 0, "optimizer": 8 / shard}
@@ -400,30 +417,37 @@ def megatron_table(dtype: str, distributed: bool, d: int) -> dict[str, float]:
 def run_memory(args: argparse.Namespace) -> list[dict]:
     rows = []
     for dtype in ("fp32", "bf16"):
-        for distributed in (False, True):
+        for strategy, flags in STRATEGY_FLAGS.items():
             for d in (1, 2, 4):
-                extra = (["--bf16"] if dtype == "bf16" else []) + (
-                    ["--use-distributed-optimizer"] if distributed else []
-                )
+                extra = (["--bf16"] if dtype == "bf16" else []) + flags
                 argv = megapipe_argv(args, extra, seq=args.mem_seq, micro_batch=1, global_batch=d)
                 start = time.perf_counter()
                 per_rank = run_distributed(_memory_rank, d, argv, timeout=args.timeout)
-                measured = per_rank[0]["bytes_per_param"]
-                expected = megatron_table(dtype, distributed, d)
+                first = per_rank[0]
+                n = first["num_params"]
+                measured, expected = first["bytes_per_param"], formula_table(dtype, strategy, d)
+                gathered = max(r["gathered_bytes"] for r in per_rank) / n
+                gathered_formula = first["gathered_formula_bytes"] / n
                 rows.append(
                     {
                         "dtype": dtype,
-                        "distributed_optimizer": distributed,
+                        "strategy": strategy,
+                        "distributed_optimizer": strategy == "optim",
                         "dp": d,
-                        "num_params": per_rank[0]["num_params"],
+                        "num_params": n,
                         "measured": measured,
                         "measured_total": sum(measured.values()),
-                        "megatron": expected,
-                        "megatron_total": sum(expected.values()),
+                        "formula": expected,
+                        "formula_total": sum(expected.values()),
+                        "gathered_measured": gathered,
+                        "gathered_parts_bytes": first["gathered_parts"],
+                        "gathered_formula": gathered_formula,
+                        "measured_peak": sum(measured.values()) + gathered,
+                        "formula_peak": sum(expected.values()) + gathered_formula,
                         "peak_rss_delta_bytes_per_param": max(
                             r["peak_rss_delta_bytes"] for r in per_rank
                         )
-                        / per_rank[0]["num_params"],
+                        / n,
                         "wall_s": time.perf_counter() - start,
                     }
                 )
@@ -432,29 +456,34 @@ def run_memory(args: argparse.Namespace) -> list[dict]:
 
 def print_memory(args: argparse.Namespace, rows: list[dict]) -> None:
     print(
-        f"\nmemory per rank, bytes per parameter ({rows[0]['num_params']:,} params; one step of "
-        f"seq {args.mem_seq}, micro-batch 1 per rank): measured by "
-        "ShardedOptimizer.state_bytes_per_parameter() [Megatron-LM's table]\n"
+        f"\nmemory per rank, bytes per parameter ({rows[0]['num_params']:,} params, "
+        f"{args.layers} layers; one step of seq {args.mem_seq}, micro-batch 1 per rank): "
+        "measured [formula]. At rest: state_bytes_per_parameter() after backward and the "
+        "step, before zero_grad. gathered: FSDP2's peak of gathered parameters + all-gather "
+        "buffers [stage_memory.gathered_parameter_bytes]\n"
     )
     print(
-        f"{'params':<7}{'optimizer':<12}{'DP':>3}{'params':>13}{'grads':>13}{'master':>13}"
-        f"{'adam m+v':>13}{'total':>15}{'peak RSS delta':>16}"
+        f"{'params':<7}{'strategy':<29}{'DP':>3}{'params':>13}{'grads':>13}{'master':>11}"
+        f"{'adam m+v':>13}{'at rest':>15}{'gathered':>15}{'peak':>15}{'RSS delta':>11}"
     )
     for x in rows:
-        m, e = x["measured"], x["megatron"]
+        m, e = x["measured"], x["formula"]
         cells = "".join(
-            f"{f'{m[k]:.2f} [{e[k]:g}]':>13}" for k in ("params", "grads", "master", "optimizer")
+            f"{f'{m[k]:.2f} [{e[k]:.3g}]':>{w}}" for k, w in zip(KINDS, (13, 13, 11, 13))
         )
-        total = f"{x['measured_total']:.2f} [{x['megatron_total']:g}]"
+        total = f"{x['measured_total']:.2f} [{x['formula_total']:.3g}]"
+        gathered = f"{x['gathered_measured']:.2f} [{x['gathered_formula']:.2f}]"
+        peak = f"{x['measured_peak']:.2f} [{x['formula_peak']:.2f}]"
+        label = f"{x['strategy']} ({ZERO[x['strategy']]})"
         print(
-            f"{x['dtype']:<7}{'distributed' if x['distributed_optimizer'] else 'plain':<12}"
-            f"{x['dp']:>3}{cells}{total:>15}{x['peak_rss_delta_bytes_per_param']:>16.1f}"
+            f"{x['dtype']:<7}{label:<29}{x['dp']:>3}{cells}{total:>15}{gathered:>15}{peak:>15}"
+            f"{x['peak_rss_delta_bytes_per_param']:>11.1f}"
         )
     print(
-        "\npeak RSS delta: the rank's getrusage peak minus its RSS before building the model, "
-        "per parameter; includes the model built before it moves into the flat buffers, "
-        "autograd's transient grads, activations, collective buffers and allocator slack, so "
-        "read it as a rough upper bound, not as the table's number."
+        "\nRSS delta: the rank's getrusage peak minus its RSS before building the model, per "
+        "parameter; includes the model built before it moves into the flat buffers (or is "
+        "sharded), autograd's transient grads, activations, collective buffers and allocator "
+        "slack, so read it as a rough upper bound, not as the table's number."
     )
 
 
@@ -530,12 +559,17 @@ def main(argv: list[str] | None = None) -> dict:
         print_memory(args, memory)
         print(f"(memory part: {time.perf_counter() - start:.0f} s)")
         result["memory"] = memory
-        for x in memory:  # the kinds must add up to Megatron's table (bucket padding aside)
-            if abs(x["measured_total"] - x["megatron_total"]) > 0.05:
+        for x in memory:  # the kinds must add up to the formula (bucket padding aside)
+            what = f"{x['dtype']} {x['strategy']} DP={x['dp']}"
+            if abs(x["measured_total"] - x["formula_total"]) > 0.05:
                 failures.append(
-                    f"{x['dtype']} distributed={x['distributed_optimizer']} DP={x['dp']}: "
-                    f"{x['measured_total']:.2f} bytes/param, Megatron's table "
-                    f"{x['megatron_total']:g}"
+                    f"{what}: {x['measured_total']:.2f} bytes/param at rest, formula "
+                    f"{x['formula_total']:.3g}"
+                )
+            if abs(x["gathered_measured"] - x["gathered_formula"]) > 0.01 * x["formula_peak"]:
+                failures.append(
+                    f"{what}: gathered {x['gathered_measured']:.2f} bytes/param, formula "
+                    f"{x['gathered_formula']:.2f}"
                 )
     if args.json:
         write_json(args.json, result)

@@ -1,7 +1,9 @@
 """The layout planner (tools/plan.py) against measurements and published figures.
 
 1. --cpu: measured CPU runs of a small GPT (pretrain_gpt.py, gloo, one thread per rank) at
-   1 rank, TP2, PP2 and DP2, two alternating rounds each. A CPU cluster preset is measured
+   1 rank, TP2, PP2, DP2 and DP2 under ZeRO-3 (--use-torch-fsdp2: each layer's parameters
+   all-gathered twice and its gradients reduce-scattered every micro-batch), two alternating
+   rounds each. A CPU cluster preset is measured
    first: the peak FLOP/s of a 1024^3 fp32 matmul on one thread, the bandwidth of a 16 MiB
    gloo all-reduce between two forked ranks and the fixed cost of a collective inside a step
    (an all-reduce of one activation issued after compute, less its bytes at that bandwidth).
@@ -120,7 +122,9 @@ CPU_LAYOUTS = {  # name: (ranks, flags, Layout)
     "TP2": (2, ["--tensor-model-parallel-size", "2"], Layout(2, 1, 1, micro_batch=MICRO_BATCH)),
     "PP2": (2, ["--pipeline-model-parallel-size", "2"], Layout(1, 2, 1, micro_batch=MICRO_BATCH)),
     "DP2": (2, [], Layout(1, 1, 2, micro_batch=MICRO_BATCH)),
-}
+    "ZeRO-3": (2, ["--use-torch-fsdp2"],  # DP2 on FSDP2: gathers twice and reduce-scatters
+               Layout(1, 1, 2, micro_batch=MICRO_BATCH, sharding="optim_grads_params")),
+}  # fmt: skip
 
 
 def model_config(sizes: dict) -> ModelConfig:
@@ -263,7 +267,7 @@ def paper_flops(run: PublishedRun) -> float:
     return 96 * b * s * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))
 
 
-MEGATRON_2021 = PlanOptions(recompute=("full",), distributed_optimizer=(False,),
+MEGATRON_2021 = PlanOptions(recompute=("full",), sharding=("no_shard",),
                             schedules=("1f1b", "interleaved-1f1b"),
                             knobs=TimeKnobs(tp_weight_grad_overlap=False))  # fmt: skip
 # The same, with the gradient all-reduce wholly hidden behind the backward: how much of the

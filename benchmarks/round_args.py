@@ -1,8 +1,13 @@
-"""The timing flags every alternating-rounds benchmark takes, and --quick's meaning for them."""
+"""The timing flags every alternating-rounds benchmark takes, --quick's meaning for them, and the
+rounds themselves for the benchmarks whose variants run side by side on forked ranks."""
 
 from __future__ import annotations
 
 import argparse
+import time
+from collections.abc import Callable
+
+import torch.distributed as dist
 
 
 def add_round_args(
@@ -22,3 +27,31 @@ def parse_round_args(p: argparse.ArgumentParser, argv: list[str] | None) -> argp
     if args.quick:
         args.warmup, args.rounds, args.steps = 1, 3, 2
     return args
+
+
+def rotating_rounds(
+    steps: dict[str, Callable[[], tuple[float, float]]], args: argparse.Namespace
+) -> tuple[dict[str, list], dict[str, list]]:
+    """Time each variant's step on this rank: --warmup untimed steps each, then --rounds
+    rounds of --steps steps each, the variants' order rotating round by round, a barrier before
+    every step (collective: every rank calls it alike). Returns (history: each variant's
+    (loss, grad norm) of every step, warm-up included; times: [round][step] of (wall ms,
+    process CPU ms))."""
+    names = list(steps)
+    history: dict[str, list] = {n: [] for n in names}
+    times: dict[str, list] = {n: [] for n in names}
+
+    def timed(name: str) -> tuple[float, float]:
+        dist.barrier()
+        start, cpu = time.perf_counter(), time.process_time()
+        history[name].append(steps[name]())
+        return (time.perf_counter() - start) * 1e3, (time.process_time() - cpu) * 1e3
+
+    for name in names:
+        for _ in range(args.warmup):
+            timed(name)
+    for r in range(args.rounds):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for name in order:
+            times[name].append([timed(name) for _ in range(args.steps)])
+    return history, times

@@ -1,6 +1,7 @@
 """Run the benchmark suite side by side on this machine and write the report.
 
-    python benchmarks/run_all.py               # the whole suite: 289-308 s on 2 CPU cores
+    python benchmarks/run_all.py               # the whole suite: 289-308 s on 2 CPU cores before
+                                               # bench_fsdp.py (~90-170 s) joined it
     python benchmarks/run_all.py --only step pipeline
     python benchmarks/run_all.py --report-only # rebuild the report from benchmarks/out/*.json
                                                # (saying when those runs were measured)
@@ -184,21 +185,49 @@ def _data_parallel(data: dict) -> list[Headline]:
     return timing + _memory_per_rank(data.get("memory", []))
 
 
+_ZERO = {
+    "no_shard": "DDP",
+    "optim": "ZeRO-1",
+    "optim_grads": "ZeRO-2",
+    "optim_grads_params": "ZeRO-3",
+}
+
+
 def _memory_per_rank(rows: list[dict]) -> list[Headline]:
-    """Bytes per parameter on a rank (parameters, grads, masters, Adam state) for each
-    precision x optimizer x DP, measured / Megatron-LM's table (1.0 = the table exactly; the
-    target 1.01 leaves room for the padding of buckets to a multiple of DP)."""
-    return [
-        Headline(
-            "memory per rank",
-            f"{row['dtype']} {'distributed' if row['distributed_optimizer'] else 'plain'} "
-            f"optimizer, DP={row['dp']}: {row['measured_total']:.2f} B/param, measured / "
-            f"Megatron's {row['megatron_total']:g}",
-            row["measured_total"] / row["megatron_total"],
-            1.01,
+    """Bytes per parameter on a rank for each precision x data-parallel sharding strategy x DP:
+    the peak (at rest: parameters, grads, masters, Adam state; plus, under FSDP2, the gathered
+    parameters and all-gather buffers of the step) measured / the formula (1.0 = the formula
+    exactly; the target 1.01 leaves room for the padding of buckets to a multiple of DP).
+    Rows written before the sharding strategies (`distributed_optimizer`, Megatron's table)
+    are read too."""
+    headlines = []
+    for row in rows:
+        strategy = row.get("strategy") or ("optim" if row["distributed_optimizer"] else "no_shard")
+        formula = row.get("formula_peak", row.get("formula_total", row.get("megatron_total")))
+        measured = row.get("measured_peak", row["measured_total"])
+        gathered = row.get("gathered_measured", 0.0)
+        what = (
+            f"{row['dtype']} {strategy} ({_ZERO.get(strategy, strategy)}), DP={row['dp']}: "
+            f"{row['measured_total']:.2f} B/param at rest"
+            + (f" + {gathered:.2f} gathered" if gathered else "")
+            + f", measured / formula {formula:.3g}"
         )
-        for row in rows
-    ]
+        headlines.append(Headline("memory per rank", what, measured / formula, 1.01))
+    return headlines
+
+
+def _fsdp(data: dict) -> list[Headline]:
+    """bench_fsdp's side-by-side ratios at DP=2: megapipe's ZeRO-3 / a plain PyTorch FSDP2 loop
+    of the same math (target 1.05, and its process-CPU-time ratio, steadier on a shared
+    machine, without one); ZeRO-3 / ZeRO-1, ZeRO-2 / ZeRO-1 and --overlap-param-gather on /
+    off are what the sharding costs here (informational: no target)."""
+    out = []
+    for row in data["comparisons"]:
+        what = f"DP=2 step, {row['what']}"
+        out.append(Headline("bench_fsdp", what, row["median_ratio"], row.get("target")))
+        if row.get("target") is not None and "median_cpu_ratio" in row:
+            out.append(Headline("bench_fsdp", f"{what} (CPU time)", row["median_cpu_ratio"]))
+    return out
 
 
 def _planner(data: dict) -> list[Headline]:
@@ -245,6 +274,7 @@ SUITE = (
         240,
         _data_parallel,
     ),
+    Benchmark("fsdp", "bench_fsdp.py", ("--rounds", "12", "--warmup", "2"), 240, _fsdp),
     Benchmark("planner", "bench_planner.py", ("--cpu",), 360, _planner, "--output"),
 )
 

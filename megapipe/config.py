@@ -160,6 +160,26 @@ class OptimizerConfig:
     # --overlap-param-gather (distributed optimizer): the updated parameters' all-gather runs
     # asynchronously, each bucket waited for at the first forward that uses it.
     overlap_param_gather: bool = False
+    # Sharded data parallelism (distributed/fsdp.py), as Megatron-LM names it: no_shard (DDP),
+    # optim (ZeRO-1: use_distributed_optimizer), optim_grads (ZeRO-2) or optim_grads_params
+    # (ZeRO-3); use `sharding`, which also reads use_distributed_optimizer.
+    data_parallel_sharding_strategy: str = "no_shard"
+    # Hybrid sharding: shard inside each of N groups of consecutive DP ranks (one NVLink
+    # domain), replicate across them (outer strategy no_shard).
+    num_distributed_optimizer_instances: int = 1
+    outer_dp_sharding_strategy: str = "no_shard"
+
+    @property
+    def sharding(self) -> str:
+        """The data-parallel sharding strategy in Megatron-LM's words (see the field)."""
+        if self.data_parallel_sharding_strategy != "no_shard":
+            return self.data_parallel_sharding_strategy
+        return "optim" if self.use_distributed_optimizer else "no_shard"
+
+    @property
+    def fsdp(self) -> bool:
+        """Gradients (and parameters) sharded too: torch's FSDP2 runs the data parallelism."""
+        return self.sharding in ("optim_grads", "optim_grads_params")
 
     @property
     def params_dtype(self) -> torch.dtype:

@@ -228,6 +228,13 @@ PARITY_FLAGS = [
 ]  # fmt: skip
 
 
+def parity_losses_and_norms(rank: int, world_size: int, extra: list[str]):
+    """One rank of `pretrain_gpt.py PARITY_FLAGS + extra` (for run_distributed): every
+    iteration's (losses, grad norms), what the training parity tests compare with one rank's."""
+    results, _ = train_with_flags(rank, world_size, PARITY_FLAGS + extra)
+    return [r.lm_loss for r in results], [r.grad_norm for r in results]
+
+
 def parity_config(num_layers: int, tied: bool) -> ModelConfig:
     return ModelConfig(
         num_layers=num_layers,

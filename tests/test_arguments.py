@@ -395,3 +395,27 @@ def test_receives_are_posted_ahead_unless_megatrons_no_overlap_flag_says_not() -
     assert not off.parallel.pipeline_receives_ahead
     on = parse_args(argv(**layout, overlap_p2p_communication=True), 2)
     assert on.parallel.pipeline_receives_ahead
+
+
+SHARDING_SPELLINGS = [  # Megatron-LM's spellings -> (strategy, ZeRO-1's buffers, FSDP2)
+    ({}, ("no_shard", False, False)),
+    ({"use_distributed_optimizer": True}, ("optim", True, False)),
+    ({"use_megatron_fsdp": True}, ("no_shard", False, False)),
+    ({"use_megatron_fsdp": True, "data_parallel_sharding_strategy": "optim"},
+     ("optim", True, False)),
+    ({"use_megatron_fsdp": True, "data_parallel_sharding_strategy": "optim_grads"},
+     ("optim_grads", False, True)),
+    ({"use_megatron_fsdp": True, "data_parallel_sharding_strategy": "optim_grads_params"},
+     ("optim_grads_params", False, True)),
+    ({"use_torch_fsdp2": True}, ("optim_grads_params", False, True)),
+    ({"use_torch_fsdp2": True, "use_distributed_optimizer": True},
+     ("optim_grads_params", False, True)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("flags", "expected"), SHARDING_SPELLINGS)
+def test_sharding_spellings_settle_on_one_strategy(flags: dict, expected: tuple) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt = parse_args(argv(**flags), 2).optimizer
+    assert (opt.sharding, opt.use_distributed_optimizer, opt.fsdp) == expected

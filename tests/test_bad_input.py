@@ -232,9 +232,46 @@ FLAG_CASES: list[tuple[Bad, dict, list[str], int]] = [
     (B("--spiky-loss-factor 0", "--spiky-loss-factor must be positive, got 0.0",
        "use a factor above 1 (a loss that many times the running average is a spike)"),
      {"spiky_loss_factor": 0}, [], 1),
-    (B("--overlap-param-gather without the distributed optimizer", "--overlap-param-gather "
-       "requires --use-distributed-optimizer", "add --use-distributed-optimizer (or drop it)"),
-     {"overlap_param_gather": True}, [], 1),
+    (B("--overlap-param-gather without sharded parameters", "--overlap-param-gather "
+       "requires sharded parameters", "add --use-distributed-optimizer or --use-torch-fsdp2 "
+       "(or drop it)"), {"overlap_param_gather": True}, [], 1),
+    (B("--overlap-param-gather with ZeRO-2", "--overlap-param-gather requires sharded "
+       "parameters", "ZeRO-2 keeps the gathered parameters through the step: use "
+       "optim_grads_params to prefetch"), {"overlap_param_gather": True, "use_megatron_fsdp":
+       True, "data_parallel_sharding_strategy": "optim_grads"}, [], 2),
+    (B("both spellings of sharded data parallelism", "--use-torch-fsdp2 and --use-megatron-fsdp "
+       "are two spellings", "pass one of them"),
+     {"use_torch_fsdp2": True, "use_megatron_fsdp": True}, [], 2),
+    (B("--use-torch-fsdp2 with another strategy", "--use-torch-fsdp2 shards parameters "
+       "(optim_grads_params); --data-parallel-sharding-strategy optim_grads contradicts it",
+       "use --use-megatron-fsdp with that strategy"),
+     {"use_torch_fsdp2": True, "data_parallel_sharding_strategy": "optim_grads"}, [], 2),
+    (B("a sharding strategy without --use-megatron-fsdp", "--data-parallel-sharding-strategy "
+       "optim_grads needs --use-megatron-fsdp", "add --use-megatron-fsdp"),
+     {"data_parallel_sharding_strategy": "optim_grads"}, [], 2),
+    (B("--use-distributed-optimizer with the no_shard strategy", "--data-parallel-sharding-"
+       "strategy no_shard shards nothing: pass one", "drop one of the two"),
+     {"use_megatron_fsdp": True, "data_parallel_sharding_strategy": "no_shard",
+      "use_distributed_optimizer": True}, [], 2),
+    (B("sharded gradients with the legacy torch format", "--ckpt-format torch (the legacy "
+       "per-rank layout) cannot hold", "use --ckpt-format torch_dist"),
+     {"use_torch_fsdp2": True, "ckpt_format": "torch"}, [], 2),
+    (B("--ckpt-format fsdp_dtensor", "--ckpt-format fsdp_dtensor (Megatron-FSDP's own format) "
+       "is not supported", "use --ckpt-format torch_dist, which every strategy loads"),
+     {"ckpt_format": "fsdp_dtensor"}, [], 1),
+    (B("--num-distributed-optimizer-instances 0", "--num-distributed-optimizer-instances must "
+       "be >= 1, got 0", "use 1, or the number of groups to shard inside"),
+     {"num_distributed_optimizer_instances": 0}, [], 1),
+    (B("hybrid sharding without sharded gradients", "hybrid sharding runs with sharded "
+       "gradients", "add --use-torch-fsdp2 (or --use-megatron-fsdp with optim_grads)"),
+     {"num_distributed_optimizer_instances": 2, "use_distributed_optimizer": True}, [], 4),
+    (B("--outer-dp-sharding-strategy optim", "--outer-dp-sharding-strategy optim: megapipe "
+       "replicates across", "use no_shard (the default)"),
+     {"outer_dp_sharding_strategy": "optim", "use_torch_fsdp2": True,
+      "num_distributed_optimizer_instances": 2}, [], 4),
+    (B("hybrid groups that do not divide DP", "--num-distributed-optimizer-instances (3) does "
+       "not divide the data-parallel size (4)", "use a divisor of the data-parallel size"),
+     {"use_torch_fsdp2": True, "num_distributed_optimizer_instances": 3}, [], 4),
     (B("a negative watchdog bound", "argument --watchdog-min-seconds: '-1' is not a "
        "non-negative number", "use seconds >= 0"), {"watchdog_min_seconds": -1}, [], 1),
     (B("--watchdog-max-seconds 0", "--watchdog-max-seconds must be positive, got 0.0",

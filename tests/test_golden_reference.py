@@ -73,6 +73,21 @@ def megatron_lr(updates: int) -> float:
     return MIN_LR + (LR - MIN_LR) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def plain_optimizer(params: list[torch.nn.Parameter]) -> tuple[torch.optim.AdamW, object]:
+    """torch's AdamW (weight decay on the parameters with dim > 1, as Megatron) and a LambdaLR
+    of Megatron's warmup + cosine decay (`megatron_lr`)."""
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": [p for p in params if p.dim() > 1], "weight_decay": WEIGHT_DECAY},
+            {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0},
+        ],
+        lr=LR,
+        betas=BETAS,
+        eps=EPS,
+    )
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda n: megatron_lr(n) / LR)
+
+
 def _megapipe(rank: int, world_size: int, arch: str):
     results, _ = train_with_flags(rank, world_size, ARGV + ARCHITECTURES[arch][0])
     return [r.lm_loss for r in results], [r.grad_norm for r in results]
@@ -101,16 +116,7 @@ def _plain(rank: int, world_size: int, arch: str, clip: bool = True, **changes):
     model = reference_from_megapipe(initial).train()
     del initial
     params = list(model.parameters())
-    optimizer = torch.optim.AdamW(
-        [
-            {"params": [p for p in params if p.dim() > 1], "weight_decay": WEIGHT_DECAY},
-            {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0},
-        ],
-        lr=LR,
-        betas=BETAS,
-        eps=EPS,
-    )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda n: megatron_lr(n) / LR)
+    optimizer, scheduler = plain_optimizer(params)
     data = MockGPTDataset(VOCAB, SEQ, SEED)
     micro_batches = GLOBAL_BATCH // MICRO_BATCH
     losses, norms = [], []

@@ -10,13 +10,10 @@ from __future__ import annotations
 import pytest
 import torch._dynamo  # noqa: F401  (imported once here so that forked ranks inherit it)
 
-from megapipe.testing import run_distributed, train_with_flags
-from tests.helpers import PARITY_FLAGS
+from megapipe.testing import run_distributed
+from tests.helpers import parity_losses_and_norms
 
-
-def _train(rank: int, world_size: int, extra: list[str]):
-    results, _ = train_with_flags(rank, world_size, PARITY_FLAGS + extra)
-    return [r.lm_loss for r in results], [r.grad_norm for r in results]
+_train = parity_losses_and_norms
 
 
 @pytest.fixture(scope="module")

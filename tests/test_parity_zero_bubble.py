@@ -22,14 +22,14 @@ from megapipe.pipeline.executor import PipelineExecutor
 from megapipe.pipeline.model_chunks import activation_shape, build_model_chunks
 from megapipe.pipeline.partition import partition_layers
 from megapipe.pipeline.schedules import build_schedule
-from megapipe.testing import run_distributed, train_with_flags
+from megapipe.testing import run_distributed
 from tests.helpers import (
     EMULATE,
-    PARITY_FLAGS,
     PARITY_MICRO_BATCH,
     PARITY_SEED,
     check_pipeline_parity,
     parity_config,
+    parity_losses_and_norms,
     parity_micro_batch,
 )
 
@@ -57,9 +57,7 @@ def test_zero_bubble_with_receives_posted_ahead_matches_single_rank(kind, v, emu
     check_pipeline_parity(1, 2, v, kind, True, 4, post_ahead=True, emulate=emulate)
 
 
-def _train(rank: int, world_size: int, extra: list[str]):
-    results, _ = train_with_flags(rank, world_size, PARITY_FLAGS + extra)
-    return [r.lm_loss for r in results], [r.grad_norm for r in results]
+_train = parity_losses_and_norms
 
 
 STACK = {

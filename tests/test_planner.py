@@ -18,6 +18,7 @@ from megapipe.pipeline.simulator import simulate_kind
 from megapipe.planning.cluster import GIB, PRESETS, Cluster
 from megapipe.planning.layout import Layout
 from megapipe.planning.memory import layout_memory, memory_model, stage_memories
+from megapipe.planning.report import format_plan
 from megapipe.planning.schedule_model import (
     _extrapolated,
     bubble_fraction,
@@ -38,7 +39,9 @@ SMALL = Cluster("test", gpus_per_node=4, nodes=2, memory_bytes=4 * GIB, peak_tfl
 
 LAYOUTS = [
     Layout(tp=1, pp=1, dp=8, micro_batch=2),
-    Layout(tp=2, pp=2, dp=2, micro_batch=1, recompute="full", distributed_optimizer=True),
+    Layout(tp=2, pp=2, dp=2, micro_batch=1, recompute="full", sharding="optim"),
+    Layout(tp=1, pp=2, dp=4, micro_batch=2, sharding="optim_grads"),
+    Layout(tp=2, pp=2, dp=2, vp=2, sharding="optim_grads_params", schedule="interleaved-1f1b"),
     Layout(tp=1, pp=4, dp=2, micro_batch=2, recompute="selective"),
     Layout(tp=2, pp=2, dp=2, vp=2, micro_batch=1, schedule="interleaved-1f1b"),
     Layout(tp=1, pp=4, dp=1, micro_batch=4, schedule="gpipe"),
@@ -55,9 +58,9 @@ def test_memory_is_memory_models_largest_stage(layout: Layout) -> None:
     largest = max(everyone, key=lambda s: s.total_bytes)
     got = layout_memory(MODEL, layout, 32)
     assert got.total == largest.total_bytes
-    assert (got.params, got.grads, got.optimizer, got.activations) == (
+    assert (got.params, got.grads, got.optimizer, got.activations, got.gathered) == (
         largest.parameter_bytes, largest.gradient_bytes, largest.optimizer_bytes,
-        largest.activation_bytes)  # fmt: skip
+        largest.activation_bytes, largest.gathered_bytes)  # fmt: skip
 
 
 def test_memory_of_one_stage_is_the_activation_formula_and_bytes_per_parameter() -> None:
@@ -75,7 +78,7 @@ def test_memory_of_one_stage_is_the_activation_formula_and_bytes_per_parameter()
     assert got.activations == 8 * layer + head + s * b * h * 2
     assert (got.params, got.grads, got.optimizer) == (
         got.parameters * 2, got.parameters * 4, got.parameters * 12)  # fmt: skip
-    zero = layout_memory(MODEL, dataclasses.replace(layout, distributed_optimizer=True), 32)
+    zero = layout_memory(MODEL, dataclasses.replace(layout, sharding="optim"), 32)
     assert zero.optimizer == got.optimizer / 4
 
 
@@ -168,12 +171,135 @@ def test_data_parallel_bytes_by_hand() -> None:
     alpha = 20e-6  # one bucket (under 40M elements): one all-reduce
     assert params < 40_000_000
     assert ddp == pytest.approx(2 * 3 / 4 * params * 4 / 100e9 + alpha)
-    zero = step_time(MODEL, dataclasses.replace(layout, distributed_optimizer=True), cluster, 8)
+    zero = step_time(MODEL, dataclasses.replace(layout, sharding="optim"), cluster, 8)
     assert zero.dp_comm == pytest.approx(3 / 4 * params * (4 + 2) / 100e9 + 2 * alpha)
     hidden = step_time(MODEL, layout, cluster, 8, TimeKnobs(dp_overlap=0.75)).dp_comm
     assert hidden == pytest.approx(ddp / 4)
     across = step_time(MODEL, layout, dataclasses.replace(cluster, gpus_per_node=2), 8).dp_comm
     assert across == pytest.approx((ddp - alpha) * 10 + alpha)  # 10x slower InfiniBand
+
+
+def test_sharded_data_parallel_bytes_by_hand() -> None:
+    """DP4 in a node, 8 micro-batches: ZeRO-2 gathers (bf16) and reduce-scatters (fp32) each
+    micro-batch, ZeRO-3 gathers twice; one collective per FSDP group (8 layers + the chunk)."""
+    layout = Layout(tp=1, pp=1, dp=4, micro_batch=1)
+    cluster = dataclasses.replace(SMALL, nodes=1)
+    params = layout_memory(MODEL, layout, 32).parameters
+    m, groups, alpha = 8, 8 + 1, 20e-6
+    gather = 3 / 4 * params * 2 / 100e9 + groups * alpha
+    reduce = 3 / 4 * params * 4 / 100e9 + groups * alpha
+    zero1 = step_time(MODEL, dataclasses.replace(layout, sharding="optim"), cluster, 32)
+    zero2 = step_time(MODEL, dataclasses.replace(layout, sharding="optim_grads"), cluster, 32)
+    zero3 = step_time(MODEL, dataclasses.replace(layout, sharding="optim_grads_params"),
+                      cluster, 32)  # fmt: skip
+    assert zero2.dp_comm == pytest.approx(m * (gather + reduce))
+    assert zero3.dp_comm == pytest.approx(m * (2 * gather + reduce))
+    assert (zero2.dp_gather, zero3.dp_gather) == pytest.approx((m * gather, 2 * m * gather))
+    assert zero1.dp_gather == pytest.approx(3 / 4 * params * 2 / 100e9 + alpha)
+    assert zero1.dp_comm < zero2.dp_comm < zero3.dp_comm  # the same compute otherwise
+    assert zero1.compute == zero3.compute and zero1.tp_comm == zero3.tp_comm
+    # Overlap: the gathers behind compute (FSDP2's prefetch), the reduce-scatters behind the
+    # backward, never more than a micro-batch's compute per micro-batch.
+    hidden = TimeKnobs(dp_overlap=1.0, param_gather_overlap=1.0)
+    overlapped = step_time(MODEL, dataclasses.replace(layout, sharding="optim_grads_params"),
+                           cluster, 32, hidden)  # fmt: skip
+    per_microbatch = 2 * gather + reduce - zero3.compute / m
+    assert overlapped.dp_comm == pytest.approx(m * max(0.0, per_microbatch))
+    half = TimeKnobs(param_gather_overlap=0.5)
+    slow = dataclasses.replace(cluster, peak_tflops=0.01)  # compute hides all it may
+    halved = step_time(MODEL, dataclasses.replace(layout, sharding="optim_grads"), slow, 32, half)
+    assert halved.dp_comm == pytest.approx(m * (gather / 2 + reduce))
+    # Under a pipeline the per-micro-batch collectives lengthen the bubble too.
+    piped = Layout(tp=1, pp=2, dp=4, micro_batch=1, sharding="optim")
+    bubble1 = step_time(MODEL, piped, SMALL, 32).bubble
+    bubble3 = step_time(MODEL, dataclasses.replace(piped, sharding="optim_grads_params"),
+                        SMALL, 32).bubble  # fmt: skip
+    assert bubble3 > bubble1
+
+
+def _verdict(result) -> str:
+    return next(line for line in format_plan(result).splitlines() if "sharded DP vs" in line)
+
+
+PURE_DP = PlanOptions(micro_batches=(1,), recompute=("full",), schedules=("1f1b",))
+
+
+def test_zero3_fits_what_zero1_does_not_at_the_same_dp() -> None:
+    """ZeRO-3 shards the parameters and gradients too: at DP8 its model state and its total
+    are below ZeRO-1's, so a GPU between the two holds ZeRO-3 and not ZeRO-1."""
+    zero1 = layout_memory(MODEL, Layout(1, 1, 8, recompute="full", sharding="optim"), 16)
+    zero3 = layout_memory(MODEL, Layout(1, 1, 8, recompute="full",
+                                        sharding="optim_grads_params"), 16)  # fmt: skip
+    state = lambda x: x.params + x.grads + x.optimizer  # noqa: E731
+    assert state(zero3) < state(zero1) and zero3.total < zero1.total
+    assert zero3.gathered > 0  # the layers it holds gathered while the step runs
+    gpu = dataclasses.replace(SMALL, memory_bytes=(zero1.total + zero3.total) / 2)
+    result = plan(MODEL, gpu, 16, dataclasses.replace(PURE_DP, memory_fraction=1.0))
+    ranked = {e.layout.describe() for e in result.ranked}
+    assert "TP1 PP1 DP8 mb1 full ZeRO-3 1f1b" in ranked
+    over = {r.what for r in result.rejected if r.category == "memory"}
+    assert {"TP1 PP1 DP8 mb1 full dist-opt 1f1b", "TP1 PP1 DP8 mb1 full 1f1b"} <= over
+    assert "at DP8 fits (#" in _verdict(result)
+
+
+def test_with_memory_to_spare_zero1_ranks_above_zero3() -> None:
+    """ZeRO-3's extra all-gathers cost time and buy only memory: with memory to spare every
+    ZeRO-3 layout is slower than the same layout under ZeRO-1, and the plan says so."""
+    roomy = dataclasses.replace(SMALL, memory_bytes=1e6 * GIB)
+    result = plan(MODEL, roomy, 16, PURE_DP)
+    by_layout = {e.layout: e.time.total for e in result.ranked}
+    zero3 = [x for x in by_layout if x.sharding == "optim_grads_params"]
+    assert zero3
+    for layout in zero3:
+        assert by_layout[dataclasses.replace(layout, sharding="optim")] < by_layout[layout]
+    first1 = result.position(lambda x: x.sharding == "optim")
+    first3 = result.position(lambda x: x.sharding == "optim_grads_params")
+    assert first1 and first3 and first1[0] < first3[0]
+    line = _verdict(result)
+    assert "slower than the best TP x PP layout (#" in line and "DP comm +" in line, line
+
+
+def test_the_verdict_when_sharding_wins_and_when_it_does_not_fit() -> None:
+    """Slow matmuls hide every collective (overlap on): ZeRO-3 at DP8 has no bubble and no TP
+    comm, so it beats every TP x PP layout. A long sequence whose activations only TP x PP
+    split: no ZeRO-2/3 layout fits, and the line says which came closest."""
+    hidden = TimeKnobs(dp_overlap=1.0, param_gather_overlap=1.0)
+    slow = dataclasses.replace(SMALL, peak_tflops=0.5)
+    line = _verdict(plan(MODEL, slow, 16, PlanOptions(micro_batches=(1,), knobs=hidden)))
+    assert "at DP8 fits (#" in line and "faster than the best TP x PP layout (#" in line, line
+    long = dataclasses.replace(MODEL, seq_length=2048)
+    roomy = plan(long, dataclasses.replace(SMALL, memory_bytes=1e6 * GIB), 16, PURE_DP)
+    smallest = lambda match: min(e.memory.total for e in roomy.ranked if match(e.layout))  # noqa: E731
+    sharded = smallest(lambda x: x.tp == x.pp == 1 and x.fsdp)
+    split = smallest(lambda x: x.tp * x.pp > 1 and not x.fsdp)
+    assert split < sharded
+    gpu = dataclasses.replace(SMALL, memory_bytes=(split + sharded) / 2)
+    line = _verdict(plan(long, gpu, 16, dataclasses.replace(PURE_DP, memory_fraction=1.0)))
+    assert "no ZeRO-2/3 layout at DP8 fits: the smallest (TP1 PP1 DP8" in line, line
+    assert "GiB usable" in line and "the best TP x PP layout (#" in line and line.endswith("does")
+
+
+def test_sharded_gradients_with_a_zero_bubble_schedule_keep_the_stage_gathered() -> None:
+    """ZeRO-3 under a zero-bubble schedule reduces after the step's last W, so its memory
+    counts every layer gathered, as ZeRO-2 does (the stage estimate, tests/test_stage_memory)."""
+    result = plan(MODEL, SMALL, 16, PlanOptions(micro_batches=(1,), recompute=("none",)))
+    zb = {
+        (e.layout.tp, e.layout.pp, e.layout.dp): e
+        for e in result.ranked
+        if e.layout.sharding == "optim_grads_params" and e.layout.schedule == "zero-bubble-h1"
+    }
+    plain = {
+        (e.layout.tp, e.layout.pp, e.layout.dp): e
+        for e in result.ranked
+        if e.layout.sharding == "optim_grads_params" and e.layout.schedule == "1f1b"
+    }
+    common = [k for k in zb if k in plain and k[1] > 1]
+    assert common
+    assert all(zb[k].memory.gathered > plain[k].memory.gathered for k in common)  # fmt: skip
+    assert {e.layout.sharding for e in result.ranked} == {
+        "no_shard", "optim", "optim_grads", "optim_grads_params"}  # fmt: skip
+    with pytest.raises(ValueError, match="sharding"):
+        Layout(1, 1, 2, 1, 1, "none", True)  # the old positional distributed_optimizer
 
 
 def _reasons(result) -> dict[str, list[str]]:
@@ -253,6 +379,24 @@ def test_cli_prints_the_ranking_and_why(capsys) -> None:
     assert "why #1" in out and "compute" in out and "DP comm" in out and "optimizer" in out
     assert out.count("       step ") == 3  # --explain: the terms under each listed layout
     assert "rejected:\n" in out and "GiB usable" not in out  # the tiny model fits 80 GiB anyhow
+    verdict = [line for line in out.splitlines() if line.startswith("sharded DP vs TP x PP: ")]
+    assert len(verdict) == 1 and "at DP4 fits (#" in verdict[0], verdict
+
+
+def test_cli_sharding_flags(capsys) -> None:
+    """--sharding picks strategies; --distributed-optimizer keeps its old meaning (no ZeRO-2/3)."""
+    base = ["--model-preset", "gpt3-125m", "--global-batch-size", "16", "--gpus-per-node", "4",
+            "--micro-batch-sizes", "1", "--recompute", "full", "--schedules", "1f1b",
+            "--top", "200"]  # fmt: skip
+    assert plan_tool.main([*base, "--sharding", "optim_grads_params"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if " | TP" in line and " DP1 " not in line]
+    assert rows and all("ZeRO-3" in row for row in rows)
+    assert plan_tool.main([*base, "--distributed-optimizer", "on"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if " | TP" in line]
+    assert any("dist-opt" in row for row in rows) and not any("ZeRO-" in row for row in rows)
+    assert "sharded DP vs TP x PP: ZeRO-2/3 not searched (--sharding)" in out
 
 
 def _tp2_step_seconds(capsys, *extra: str) -> tuple[float, str]:
@@ -312,6 +456,23 @@ def test_cli_latency_and_async_all_reduce_flags_change_the_estimate(capsys) -> N
             ["--model-preset", "gpt3-125m", "--global-batch-size", "8", "--recompute", "half"],
             "--recompute",
         ),
+        (
+            ["--model-preset", "gpt3-125m", "--global-batch-size", "8", "--sharding", "zero3"],
+            "--sharding",
+        ),
+        (
+            [
+                "--model-preset",
+                "gpt3-125m",
+                "--global-batch-size",
+                "8",
+                "--sharding",
+                "optim",
+                "--distributed-optimizer",
+                "on",
+            ],
+            "--sharding and --distributed-optimizer",
+        ),  # fmt: skip
     ],
 )
 def test_cli_bad_input_exits_2_with_one_line(argv, flag, capsys) -> None:

@@ -59,7 +59,7 @@ def test_headlines_and_verdicts_come_from_each_benchmarks_json(run_all) -> None:
     assert not any("replay" in w for w in pipeline if w.startswith("megapipe-1f1b"))
     assert not any(w.startswith("torch-") for w in pipeline)  # torch's rows are the baseline
     assert [p.split(":")[0] for p in problems] == [
-        "pipeline_m4", "data_parallel", "planner"]  # no JSON yet  # fmt: skip
+        "pipeline_m4", "data_parallel", "fsdp", "planner"]  # no JSON yet  # fmt: skip
     _write(run_all, "pipeline_m4", {"config": {"microbatches": 4}, "variants": {
         "megapipe-zero-bubble-ahead": {"of_bound": 0.93, "ratio_to_torch_1f1b": 0.89},
         "megapipe-interleaved-zb-ahead": {"ratio_to_torch_1f1b": 0.91},
@@ -70,6 +70,23 @@ def test_headlines_and_verdicts_come_from_each_benchmarks_json(run_all) -> None:
         "m=4: megapipe-zero-bubble-ahead / torch's 1F1B": (0.89, "met"),
         "m=4: megapipe-interleaved-zb-ahead / torch's 1F1B": (0.91, "NOT met"),
     }
+
+
+def test_fsdp_comparisons_plain_fsdp2_judged_the_rest_informational(run_all) -> None:
+    comparisons = [
+        {"what": "megapipe ZeRO-3 / plain PyTorch FSDP2", "median_ratio": 1.07,
+         "median_cpu_ratio": 0.99, "target": 1.05},
+        {"what": "megapipe ZeRO-3 / megapipe ZeRO-1", "median_ratio": 1.6,
+         "median_cpu_ratio": 1.4, "target": None},
+    ]  # fmt: skip
+    _write(run_all, "fsdp", {"comparisons": comparisons})
+    headlines, _ = run_all.collect({})
+    got = [(h.what, h.ratio, h.verdict) for h in headlines if h.benchmark == "bench_fsdp"]
+    assert got == [
+        ("DP=2 step, megapipe ZeRO-3 / plain PyTorch FSDP2", 1.07, "NOT met"),
+        ("DP=2 step, megapipe ZeRO-3 / plain PyTorch FSDP2 (CPU time)", 0.99, ""),
+        ("DP=2 step, megapipe ZeRO-3 / megapipe ZeRO-1", 1.6, ""),
+    ]
 
 
 def test_a_failed_or_reshaped_benchmark_is_reported_not_hidden(run_all) -> None:
@@ -123,16 +140,28 @@ def test_plots_are_real_pngs_one_per_benchmark(run_all) -> None:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_memory_per_rank_rows_are_judged_against_megatrons_table(run_all) -> None:
-    row = {"dtype": "bf16", "distributed_optimizer": True, "dp": 2}
+def test_memory_per_rank_rows_are_judged_against_each_strategys_formula(run_all) -> None:
+    zero1 = {"dtype": "bf16", "strategy": "optim", "distributed_optimizer": True, "dp": 2}
+    zero3 = {"dtype": "fp32", "strategy": "optim_grads_params", "distributed_optimizer": False}
     memory = [
-        {**row, "measured_total": 12.004, "megatron_total": 12.0},
-        {**row, "dp": 4, "measured_total": 10.5, "megatron_total": 9.0},  # a leak: 1.17
-    ]
+        {**zero1, "measured_total": 12.004, "formula_total": 12.0, "gathered_measured": 0.0,
+         "measured_peak": 12.004, "formula_peak": 12.0},
+        {**zero1, "dp": 4, "measured_total": 10.5, "formula_total": 9.0, "gathered_measured": 0.0,
+         "measured_peak": 10.5, "formula_peak": 9.0},  # a leak: 1.17
+        {**zero3, "dp": 4, "measured_total": 4.0, "formula_total": 4.0, "gathered_measured": 2.5,
+         "measured_peak": 6.5, "formula_peak": 6.5},
+        # a row written before the strategies: Megatron's table, distributed_optimizer only
+        {"dtype": "fp32", "distributed_optimizer": False, "dp": 1, "measured_total": 16.0,
+         "megatron_total": 16.0},
+    ]  # fmt: skip
     timing = {"summary": {"ddp": {}, "megapipe": {"median_ratio": 1.02}}}
     _write(run_all, "data_parallel", {"timing": timing, "memory": memory})
     headlines, _ = run_all.collect({})
     rows = [h for h in headlines if h.benchmark == "memory per rank"]
-    assert [(round(h.ratio, 4), h.verdict) for h in rows] == [(1.0003, "met"), (1.1667, "NOT met")]
-    assert "bf16 distributed optimizer, DP=4: 10.50 B/param" in rows[1].what
+    assert [(round(h.ratio, 4), h.verdict) for h in rows] == [
+        (1.0003, "met"), (1.1667, "NOT met"), (1.0, "met"), (1.0, "met")]  # fmt: skip
+    assert "bf16 optim (ZeRO-1), DP=4: 10.50 B/param at rest, measured / formula 9" in rows[1].what
+    assert "fp32 optim_grads_params (ZeRO-3), DP=4: 4.00 B/param at rest + 2.50 gathered" in (
+        rows[2].what)  # fmt: skip
+    assert "fp32 no_shard (DDP), DP=1" in rows[3].what
     assert [p.name for p in run_all.plot(rows)] == ["memory_per_rank.png"]

@@ -14,7 +14,13 @@ from megapipe.config import ModelConfig, OptimizerConfig, ParallelConfig, Recomp
 from megapipe.conversion.convert import build_rank
 from megapipe.errors import ConfigError
 from megapipe.pipeline.partition import partition_layers, uniform_counts
-from megapipe.pipeline.stage_memory import MemoryModel, deviation, plan_stages, stage_parameters
+from megapipe.pipeline.stage_memory import (
+    MemoryModel,
+    StageMemory,
+    deviation,
+    plan_stages,
+    stage_parameters,
+)
 from megapipe.testing import run_distributed, train_with_flags
 
 GPT3_1_3B = ModelConfig(
@@ -148,3 +154,150 @@ def test_the_estimate_counts_attention_dropout_where_it_runs():
     for fused, unfused in zip(cuda.stages(stage_map), cpu.stages(stage_map)):
         assert fused.activation_bytes < unfused.activation_bytes
         assert fused.parameter_bytes == unfused.parameter_bytes
+
+
+# --------------------------------------------------------------------------------------------
+# Sharded data parallelism: bytes per parameter by strategy, and FSDP2's gathered parameters.
+# --------------------------------------------------------------------------------------------
+
+STRATEGIES = {  # OptimizerConfig fields -> the strategy Megatron-LM names
+    "no_shard": {},
+    "optim": {"use_distributed_optimizer": True},
+    "optim_grads": {"data_parallel_sharding_strategy": "optim_grads"},
+    "optim_grads_params": {"data_parallel_sharding_strategy": "optim_grads_params"},
+}
+
+
+def _formula(strategy: str, bf16: bool, d: int) -> float:
+    """Adam's bytes per parameter at rest over a shard group of d (stage_memory's table)."""
+    if strategy in ("optim_grads", "optim_grads_params") and d > 1:
+        return 16 / d  # fp32 shard (the master) + fp32 grad + m, v: all sharded
+    if strategy == "optim":
+        return 6 + 12 / d if bf16 else 8 + 8 / d
+    return 18 if bf16 else 16
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_bytes_per_parameter_follow_each_strategys_formula(strategy: str) -> None:
+    from megapipe.pipeline.stage_memory import bytes_per_parameter
+
+    for bf16, dp in itertools.product((False, True), (1, 2, 4, 8)):
+        config = OptimizerConfig(bf16=bf16, **STRATEGIES[strategy])
+        assert sum(bytes_per_parameter(config, dp)) == pytest.approx(_formula(strategy, bf16, dp))
+        if strategy in ("optim_grads", "optim_grads_params") and dp >= 4:  # hybrid: d = dp / N
+            hybrid = OptimizerConfig(bf16=bf16, num_distributed_optimizer_instances=2,
+                                     **STRATEGIES[strategy])  # fmt: skip
+            assert sum(bytes_per_parameter(hybrid, dp)) == pytest.approx(16 / (dp // 2))
+
+
+def test_gathered_parameters_are_every_layer_under_zero2_and_one_under_zero3() -> None:
+    """In layer units (the tiny model's layers outweigh its embedding): ZeRO-2 holds the root
+    group and all L layers plus one layer's all-gather buffer, ZeRO-3 the root and one layer
+    plus a buffer (two with forward prefetching); nothing without FSDP2 or with one rank."""
+    from megapipe.pipeline.stage_memory import gathered_parameter_bytes, layer_parameters
+
+    config = ModelConfig(num_layers=6, hidden_size=32, num_attention_heads=4, vocab_size=100,
+                         seq_length=16, max_position_embeddings=16)  # fmt: skip
+    layer, root = layer_parameters(config, 1), stage_parameters(config, 0, True, True, 1)
+    assert layer > root
+
+    def gathered(strategy: str, dp: int = 2, layers: int = 6, **fields) -> int:
+        optimizer = OptimizerConfig(**STRATEGIES[strategy], **fields)
+        return gathered_parameter_bytes(config, optimizer, dp, layers, True, True, 1)
+
+    assert gathered("optim_grads") == (root + 7 * layer) * 4
+    assert gathered("optim_grads", bf16=True) == (root + 7 * layer) * 2
+    assert gathered("optim_grads_params") == (root + 2 * layer) * 4
+    assert gathered("optim_grads_params", overlap_param_gather=True) == (root + 3 * layer) * 4
+    assert gathered("optim_grads_params", layers=1, overlap_param_gather=True) == (
+        root + 2 * layer) * 4  # fmt: skip
+    assert gathered("no_shard") == gathered("optim") == 0
+    assert gathered("optim_grads_params", dp=1) == 0  # the plain path
+    assert gathered("optim_grads_params", dp=2, num_distributed_optimizer_instances=2) == 0
+
+
+TINY = [
+    "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length",
+    "16", "--max-position-embeddings", "16", "--mock-data", "--micro-batch-size", "1",
+    "--train-iters", "2", "--lr", "1e-3", "--eval-iters", "0",
+]  # fmt: skip
+ZERO2 = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads"]
+ZERO3 = ["--use-torch-fsdp2"]
+
+
+def _measure(rank: int, world: int, argv: list[str]) -> tuple[dict, StageMemory]:
+    import contextlib
+    import io
+
+    from megapipe.arguments import parse_args
+    from megapipe.parallel.state import ParallelState
+    from megapipe.testing.step_memory import measure_step
+    from megapipe.training.build import stage_map_for
+    from megapipe.training.step_by_step import Stepper
+
+    configs = parse_args(argv, world)
+    parallel = configs.parallel
+    state = ParallelState.build(
+        parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
+        data_parallel_instances=configs.optimizer.num_distributed_optimizer_instances,
+    )  # fmt: skip
+    with contextlib.redirect_stdout(io.StringIO()):
+        stepper = Stepper.build(configs, state)
+    measured = measure_step(stepper)
+    estimate = MemoryModel.of(configs).stages(stage_map_for(configs))[state.pp.rank]
+    return measured, estimate
+
+
+@pytest.mark.parametrize(
+    "world, flags",
+    [
+        (2, ZERO3 + ["--vocab-size", "1000"]),  # the embedding outweighs a layer
+        (2, ZERO3 + ["--bf16", "--overlap-param-gather", "--vocab-size", "100"]),
+        (2, ZERO2 + ["--vocab-size", "100"]),
+        (4, ZERO2 + ["--bf16", "--num-distributed-optimizer-instances", "2", "--vocab-size",
+                     "1000"]),
+        (4, ZERO3 + ["--pipeline-model-parallel-size", "2", "--vocab-size", "100"]),
+    ],
+    ids=["zero3-fp32", "zero3-bf16-prefetch", "zero2-fp32", "zero2-bf16-hybrid", "zero3-pp2"],
+)  # fmt: skip
+def test_sharded_estimate_matches_a_measured_step(world: int, flags: list[str]) -> None:
+    """One training step per rank: the optimizer's bytes by kind, read after backward and the
+    step (before zero_grad), and the peak of FSDP2's gathered parameters and all-gather
+    buffers (megapipe/testing/step_memory.py), against the stage's estimate."""
+    argv = TINY + ["--global-batch-size", str(2 * world)] + flags
+    for measured, estimate in run_distributed(_measure, world, argv):
+        n = measured["num_params"]
+        assert n == estimate.parameters
+        kinds = measured["bytes_per_param"]
+        at_rest = estimate.parameter_bytes + estimate.gradient_bytes + estimate.optimizer_bytes
+        print(f"\n{' '.join(flags)}: stage {estimate.stage} measured "
+              f"{sum(kinds.values()):.3f} B/param at rest, estimated {at_rest / n:.3f}; gathered "
+              f"{measured['gathered_bytes']} B {measured['gathered_parts']}, estimated "
+              f"{estimate.gathered_bytes:.0f} B")  # fmt: skip
+        assert kinds["params"] * n == pytest.approx(estimate.parameter_bytes, rel=0.01)
+        assert kinds["grads"] * n == pytest.approx(estimate.gradient_bytes, rel=0.01)
+        assert (kinds["master"] + kinds["optimizer"]) * n == pytest.approx(
+            estimate.optimizer_bytes, rel=0.01)  # fmt: skip
+        assert measured["gathered_bytes"] == pytest.approx(estimate.gathered_bytes, rel=0.01)
+        assert estimate.gathered_bytes > 0
+        if estimate.stage == 0 and world == 4 and "--num-distributed-optimizer-instances" in flags:
+            assert at_rest / n == pytest.approx(16 / 2, rel=0.01)  # shard group of 2, not 4
+
+
+def test_the_start_up_table_shows_the_gathered_parameters() -> None:
+    from megapipe.pipeline.stage_memory import describe
+
+    model = MemoryModel(GPT3_1_3B, ParallelConfig(pipeline_model_parallel_size=4),
+                        OptimizerConfig(bf16=True, data_parallel_sharding_strategy="optim_grads"),
+                        RecomputeConfig(), 1, 32, 8)  # fmt: skip
+    stages = model.stages(partition_layers(GPT3_1_3B, 4))
+    table = describe(stages)
+    assert "gathered params" in table
+    for s in stages:  # ZeRO-2: every layer of the stage (GPT-3 1.3B's are 50M parameters each)
+        assert s.gathered_bytes >= s.layers * 50_000_000 * 2
+        assert s.total_bytes > s.parameter_bytes + s.gradient_bytes + s.optimizer_bytes + (
+            s.activation_bytes)  # fmt: skip
+    assert "gathered params" not in describe(
+        MemoryModel(GPT3_1_3B, ParallelConfig(pipeline_model_parallel_size=4),
+                    OptimizerConfig(bf16=True), RecomputeConfig(), 1, 32, 8).stages(
+            partition_layers(GPT3_1_3B, 4)))  # fmt: skip

@@ -5,10 +5,12 @@
         --seq-length 2048 --vocab-size 50257 --global-batch-size 256 --cluster dgx-h100 --nodes 2
     python tools/plan.py --model-preset megatron-39.1b --explain --show-rejected
 
-Searches TP, PP, VP, DP, micro-batch, recomputation, the distributed optimizer and every
-pipeline schedule megapipe has; prints the best layouts, why the first wins (its time and
-memory terms against the best of each other TP x PP), the bubble of each, and what was
-rejected and why. The model behind the estimates is megapipe/planning (its docstrings state
+Searches TP, PP, VP, DP, micro-batch, recomputation, data-parallel sharding (plain, the
+distributed optimizer = ZeRO-1, ZeRO-2, ZeRO-3 on FSDP2) and every pipeline schedule megapipe
+has; prints the best layouts, why the first wins (its time and memory terms against the best of
+each other TP x PP), the bubble of each, one line on whether sharded data parallelism (ZeRO-2/3
+at TP1 PP1) fits and beats the best TP x PP layout on this cluster, and what was rejected and
+why. The model behind the estimates is megapipe/planning (its docstrings state
 every assumption). Exit status 2 with one line naming the flag for bad input.
 """
 
@@ -22,7 +24,7 @@ from megapipe.config import ModelConfig
 from megapipe.errors import run_cli
 from megapipe.pipeline.schedules import SCHEDULE_KINDS
 from megapipe.planning.cluster import GIB, PRESETS
-from megapipe.planning.layout import RECOMPUTE_MODES
+from megapipe.planning.layout import RECOMPUTE_MODES, SHARDING
 from megapipe.planning.presets import MEGATRON_WEAK_SCALING, MODELS, published_batch
 from megapipe.planning.report import format_plan
 from megapipe.planning.search import PlanOptions, plan
@@ -106,7 +108,16 @@ def build_parser() -> argparse.ArgumentParser:
     search.add_argument("--recompute", default="none,selective,full",
                         help=f"Comma list of {', '.join(RECOMPUTE_MODES)}.")  # fmt: skip
     search.add_argument(
-        "--distributed-optimizer", choices=("search", "on", "off"), default="search"
+        "--sharding",
+        help="Data-parallel sharding strategies to search: 'search' (default: all) or a comma "
+        f"list of {', '.join(SHARDING)} (optim = the distributed optimizer, ZeRO-1; "
+        "optim_grads = ZeRO-2; optim_grads_params = ZeRO-3, --use-torch-fsdp2).",
+    )
+    search.add_argument(
+        "--distributed-optimizer",
+        choices=("search", "on", "off"),
+        help="The older switch, without ZeRO-2/3: search = no_shard,optim; on = optim; off = "
+        "no_shard. Not with --sharding.",
     )
     search.add_argument("--schedules", help="Comma list (default: every schedule megapipe has).")
     search.add_argument("--max-vp", type=_positive_int, default=4, help="Most chunks per rank.")
@@ -117,6 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
     search.add_argument("--fp32", action="store_true", help="fp32 instead of bf16.")
     search.add_argument("--tp-overlap", type=_fraction, default=0.0, help="Hidden TP comm.")
     search.add_argument("--dp-overlap", type=_fraction, default=0.0, help="Hidden DP comm.")
+    search.add_argument(
+        "--param-gather-overlap",
+        type=_fraction,
+        default=0.0,
+        help="Hidden fraction of ZeRO-2/3's per-micro-batch all-gathers (FSDP2 prefetch).",
+    )
     search.add_argument(
         "--no-async-tensor-model-parallel-allreduce",
         action="store_true",
@@ -175,6 +192,22 @@ def _names(text: str, allowed: Sequence[str], flag: str, parser: argparse.Argume
     return names
 
 
+def _sharding(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[str, ...]:
+    """--sharding's strategies, or --distributed-optimizer's older choice."""
+    if args.sharding is not None and args.distributed_optimizer is not None:
+        parser.error(
+            "--sharding and --distributed-optimizer both choose the data-parallel sharding: "
+            "pass one (--distributed-optimizer on is --sharding optim)"
+        )
+    if args.distributed_optimizer is not None:
+        return {"search": ("no_shard", "optim"), "on": ("optim",), "off": ("no_shard",)}[
+            args.distributed_optimizer
+        ]
+    if args.sharding in (None, "search"):
+        return tuple(SHARDING)
+    return _names(args.sharding, tuple(SHARDING), "--sharding", parser)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -205,9 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     options = PlanOptions(
         micro_batches=args.micro_batch_sizes,
         recompute=_names(args.recompute, tuple(RECOMPUTE_MODES), "--recompute", parser),
-        distributed_optimizer={"search": (False, True), "on": (True,), "off": (False,)}[
-            args.distributed_optimizer
-        ],
+        sharding=_sharding(args, parser),
         schedules=_names(args.schedules, SCHEDULE_KINDS, "--schedules", parser)
         if args.schedules
         else None,
@@ -218,6 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         knobs=TimeKnobs(
             args.tp_overlap,
             args.dp_overlap,
+            param_gather_overlap=args.param_gather_overlap,
             half_precision=not args.fp32,
             tp_weight_grad_overlap=not args.no_async_tensor_model_parallel_allreduce,
         ),

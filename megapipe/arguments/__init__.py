@@ -33,6 +33,7 @@ from megapipe.arguments.megatron_compat import (
 from megapipe.arguments.model_flags import add_network_args, add_regularization_args
 from megapipe.arguments.parallel_flags import add_distributed_args, virtual_stages
 from megapipe.arguments.recompute_flags import add_recompute_args, recompute_config
+from megapipe.arguments.sharding_flags import add_sharding_args, resolve_sharding
 from megapipe.arguments.training_flags import add_optimizer_args, add_training_args
 from megapipe.arguments.validation import validate_configs, validate_parallel
 from megapipe.checkpointing.tracker import checkpoint_to_load
@@ -75,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_distributed_args(parser.add_argument_group("distributed"))
     add_training_args(parser.add_argument_group("training"))
     add_optimizer_args(parser.add_argument_group("optimizer and mixed precision"))
+    add_sharding_args(parser.add_argument_group("sharded data parallelism (ZeRO)"))
     add_data_args(parser.add_argument_group("data"))
     add_validation_args(parser.add_argument_group("validation"))
     add_logging_args(parser.add_argument_group("logging"))
@@ -163,6 +165,7 @@ def parse_args(argv: Sequence[str] | None, world_size: int) -> Configs:
     )
     validate_parallel(parallel, world_size)  # before the DP size below is computed from it
     training = _training_config(args, parallel.data_parallel_size(world_size))
+    resolve_sharding(args)
     optimizer = _from_args(OptimizerConfig, args)
     logging = _from_args(LoggingConfig, args)
     checkpoint = _from_args(CheckpointConfig, args)
@@ -274,6 +277,11 @@ def checkpoint_notes(checkpoint: CheckpointConfig) -> list[str]:
 
     A --load directory without a checkpoint starts from scratch (as in Megatron) unless
     --exit-on-missing-checkpoint; a named iteration that does not exist is an error."""
+    if checkpoint.ckpt_format == "fsdp_dtensor":
+        raise ConfigError(
+            "--ckpt-format fsdp_dtensor (Megatron-FSDP's own format) is not supported: "
+            "torch_dist holds every sharding strategy's state and loads under any other"
+        )
     if checkpoint.ckpt_format not in ("torch_dist", "torch"):
         raise ConfigError(
             f"--ckpt-format {checkpoint.ckpt_format!r}: choose torch_dist (layout-free, "

@@ -70,7 +70,6 @@ UNSUPPORTED_FLAGS: tuple[str, ...] = (
     "--use-legacy-models",
     "--spec",
     "--yaml-cfg",
-    "--use-torch-fsdp2",
     "--multi-latent-attention",
     "--kv-channels",
     "--qk-layernorm",

@@ -14,6 +14,7 @@ import dataclasses
 import os
 import warnings
 
+from megapipe.arguments.sharding_flags import hybrid_groups
 from megapipe.config import (
     NORMALIZATIONS,
     POSITION_EMBEDDING_TYPES,
@@ -143,9 +144,10 @@ def validate_optimizer(opt: OptimizerConfig) -> None:
         _positive(ddp_bucket_size=opt.ddp_bucket_size)
     _positive(spiky_loss_factor=opt.spiky_loss_factor)
     _require(
-        not opt.overlap_param_gather or opt.use_distributed_optimizer,
-        "--overlap-param-gather requires --use-distributed-optimizer (only sharded parameters "
-        "are all-gathered)",
+        not opt.overlap_param_gather or opt.sharding in ("optim", "optim_grads_params"),
+        "--overlap-param-gather requires sharded parameters: --use-distributed-optimizer "
+        "(the updated shards' all-gather) or --use-torch-fsdp2 (the next layer's all-gather "
+        "prefetched)",
     )
     if opt.fp16:
         if opt.loss_scale is not None:
@@ -161,6 +163,13 @@ def validate_optimizer(opt: OptimizerConfig) -> None:
             f"--min-loss-scale ({opt.min_loss_scale}) must not exceed --initial-loss-scale "
             f"({opt.initial_loss_scale})",
         )
+
+
+def validate_sharding(opt: OptimizerConfig, dp: int) -> None:
+    """Sharded data parallelism's combinations that cannot run (the flags themselves were
+    settled by arguments/sharding_flags.py)."""
+    problem = hybrid_groups(dp, opt.num_distributed_optimizer_instances)
+    _require(problem is None, str(problem))
 
 
 def validate_training(training: TrainingConfig, data_parallel_size: int) -> None:
@@ -319,6 +328,7 @@ def validate_configs(
         data_parallel_size=dp,
     )
     validate_recompute(recompute, stage_map)
+    validate_sharding(optimizer, dp)
     logging = others.get("logging")
     if isinstance(logging, LoggingConfig):
         validate_logging(logging)

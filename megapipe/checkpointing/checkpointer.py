@@ -102,7 +102,9 @@ class Checkpointer:
             legacy_torch.save(self.run, directory, contents, then=then)
             return os.path.abspath(directory), time.perf_counter() - start
         optimizer = None if checkpoint.no_save_optim else self.optimizer
-        shards = state_to_save(self.chunks, optimizer, self.state, self.num_layers)
+        shards = state_to_save(
+            self.chunks, optimizer, self.state, self.num_layers, model_owner=self.optimizer
+        )
         if not checkpoint.no_save_rng:
             shards.update(rng_shards(self.rng, self.state))
         scaler = self.optimizer.scaler
@@ -163,6 +165,9 @@ class Checkpointer:
         masters_loaded = bool(masters) and all(k in available for k in masters)
         if masters and not masters_loaded:  # saved in fp32: the weights are the masters
             shards = {k: v for k, v in shards.items() if k not in masters}
+        if masters_loaded and self.optimizer.masters_are_weights:  # one destination, read once
+            loaded = {k.removeprefix("optimizer.state.fp32_param.") for k in masters}
+            shards = {k: v for k, v in shards.items() if k not in loaded}
         rng = rng_destinations(self.rng, self.state) if plan.rng else {}
         load_sharded(plan.directory, {**shards, **rng}, group=self.state.world.pg)
         if plan.rng:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from megapipe.checkpointing.shards import ShardedState, TensorShard
+from megapipe.distributed.fsdp import local_part
 from megapipe.layers.param_meta import ParamMeta
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -169,18 +170,22 @@ def model_shards(
     num_layers: int,
     *,
     loading: bool = False,
+    dtype: torch.dtype | None = None,
 ) -> ShardedState:
     """Views of this rank's parameters as pieces of the logical tensors: the pieces to write
     (each element once over the TP group), or with `loading` the destinations to fill in
-    place (mirrors read the tensor they mirror)."""
+    place (mirrors read the tensor they mirror). An FSDP2 parameter gives the rows it holds.
+    `dtype` (saving only): write copies in this dtype (FSDP2's fp32 shards of a bf16 run)."""
     state: ShardedState = {}
     for name, param in named_params:
         meta: ParamMeta = param.meta
         if not _wanted(meta, tp_rank, loading):
             continue
         source = meta.copy_of or name
-        flat = param.data.view(-1)
-        key, shards = _shards_of(flat, source, meta, tp_rank, tp_size, param.shape, 0, num_layers)
+        flat, lo = local_part(param)
+        if dtype is not None and not loading:
+            flat = flat.to(dtype)
+        key, shards = _shards_of(flat, source, meta, tp_rank, tp_size, param.shape, lo, num_layers)
         _add(state, key, shards)
     return state
 

@@ -91,13 +91,24 @@ def _optimizer_pieces(optimizer: ShardedOptimizer, names: dict[int, str]) -> lis
     for piece, master in zip(optimizer.pieces, optimizer.masters):
         state = optimizer.inner.state.get(master, {})
         moments = {k: state[k] for k in OPTIMIZER_STATES if k in state}
-        lo = piece.lo - piece.param.buffer_offset
-        pieces.append((names[id(piece.param)], piece.param, lo, master, moments))
+        pieces.append((names[id(piece.param)], piece.param, piece.start, master, moments))
     return pieces
 
 
 def _writes_optimizer(optimizer: ShardedOptimizer, state: ParallelState) -> bool:
-    return optimizer.sharded or state.dp.rank == 0
+    return (optimizer.sharded and _first_replica(state)) or state.dp.rank == 0
+
+
+def _first_replica(state: ParallelState) -> bool:
+    """Hybrid sharding writes each shard from the first of its replicas only."""
+    return state.dp_outer is None or state.dp_outer.rank == 0
+
+
+def _writes_model(optimizer: ShardedOptimizer | None, state: ParallelState) -> bool:
+    """DP rank 0 holds the whole model, except under FSDP2, where each rank holds its rows."""
+    if optimizer is not None and optimizer.masters_are_weights:
+        return _first_replica(state)
+    return state.dp.rank == 0
 
 
 def ensure_optimizer_state(optimizer: ShardedOptimizer) -> None:
@@ -200,12 +211,19 @@ def state_to_save(
     optimizer: ShardedOptimizer | None,
     state: ParallelState,
     num_layers: int,
+    *,
+    model_owner: ShardedOptimizer | None = None,
 ) -> ShardedState:
-    """The model (and optimizer) pieces this rank writes."""
+    """The model (and, unless `optimizer` is None, the optimizer) pieces this rank writes.
+    `model_owner`: the run's optimizer even when its state is not saved, which says who holds
+    the weights (FSDP2: every rank its rows) and their dtype."""
+    model_owner = model_owner or optimizer
     shards: ShardedState = {}
     tp_rank, tp_size = state.tp.rank, state.tp.size
-    if state.dp.rank == 0:
-        shards.update(model_shards(_named_params(chunks), tp_rank, tp_size, num_layers))
+    if _writes_model(model_owner, state):
+        dtype = model_owner.config.params_dtype if model_owner is not None else None
+        named = _named_params(chunks)
+        shards.update(model_shards(named, tp_rank, tp_size, num_layers, dtype=dtype))
     if optimizer is not None and _writes_optimizer(optimizer, state):
         _add_optimizer(shards, chunks, optimizer, state, num_layers, loading=False)
     return shards
@@ -225,7 +243,7 @@ def _add_optimizer(
         state.tp.rank,
         state.tp.size,
         num_layers,
-        include_masters=optimizer.has_separate_masters,
+        include_masters=optimizer.saves_masters,
         loading=loading,
     )
     for key, found in pieces.items():
@@ -251,8 +269,7 @@ def state_to_load(
 def after_load(optimizer: ShardedOptimizer, step_count: int | None, masters_loaded: bool) -> None:
     """Make the optimizer consistent with freshly loaded weights: masters from the weights when
     the checkpoint had none for them, and the step count Adam's bias correction needs."""
-    if optimizer.has_separate_masters and not masters_loaded:
-        for master, piece in zip(optimizer.masters, optimizer.pieces):
-            master.copy_(piece.buffer.param_data[piece.lo : piece.hi])
+    if not masters_loaded:
+        optimizer.masters_from_weights()
     if step_count is not None:
         _set_step_count(optimizer, step_count)

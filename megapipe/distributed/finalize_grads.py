@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.tensor import DTensor
 
 from megapipe.distributed.grad_norm import gradient
 from megapipe.parallel.state import Group, ParallelState
@@ -45,7 +46,9 @@ def finalize_model_grads(chunks: Sequence[torch.nn.Module], state: ParallelState
     """Sum SP grads over TP, tied-embedding grads over the embedding group, average over DP.
 
     Parameters owned by a GradBuffer (`main_grad`) are averaged over DP by its buckets
-    (`finish_grad_sync`, called before this); only plain `.grad` parameters are averaged here.
+    (`finish_grad_sync`, called before this), and FSDP2's (DTensor gradients) by its
+    reduce-scatter; only plain `.grad` parameters are averaged here. The TP and embedding sums
+    run on FSDP2's local shards alike: both sides hold the same rows of the same parameter.
     """
     reduce_tp, reduce_dp = state.tp.size > 1, state.dp.size > 1
     params = []  # walked only when a group has more than one rank (0.26 ms a step at 1 rank)
@@ -61,5 +64,9 @@ def finalize_model_grads(chunks: Sequence[torch.nn.Module], state: ParallelState
     if state.pp.size > 1:
         _all_reduce_coalesced(tied_embedding_grads(chunks), state.embedding)
     if reduce_dp:
-        plain = [p.grad for p in params if not hasattr(p, "main_grad")]
+        plain = [
+            p.grad
+            for p in params
+            if not hasattr(p, "main_grad") and not isinstance(p.grad, DTensor)
+        ]
         _all_reduce_coalesced(plain, state.dp, 1.0 / state.dp.size)

@@ -11,6 +11,7 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from megapipe.parallel.state import ParallelState
 
@@ -28,8 +29,12 @@ def counted_in_norm(param: torch.nn.Parameter, tp_rank: int) -> bool:
 
 
 def gradient(param: torch.nn.Parameter) -> torch.Tensor | None:
-    """The gradient the optimizer uses: the fp32 `main_grad` when a GradBuffer owns the param."""
-    return getattr(param, "main_grad", param.grad)
+    """The gradient the optimizer uses: the fp32 `main_grad` when a GradBuffer owns the param,
+    this rank's shard of it when FSDP2 does (a DTensor's local part), else `.grad`."""
+    grad = getattr(param, "main_grad", param.grad)
+    if isinstance(grad, DTensor):
+        return grad.to_local()
+    return grad
 
 
 def sum_of_squares(

@@ -14,6 +14,7 @@ step, write back, all-gather the updated shards.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -36,9 +37,14 @@ class Piece:
     """The part [lo, hi) (buffer coordinates) of `param` this rank optimizes."""
 
     param: torch.nn.Parameter
-    buffer: GradBuffer
+    buffer: GradBuffer | None  # None: an FSDP2 shard, [lo, hi) in the parameter's own coordinates
     lo: int
     hi: int
+
+    @property
+    def start(self) -> int:
+        """Where the piece starts in the (TP-local) parameter's flat data."""
+        return self.lo - self.param.buffer_offset if self.buffer is not None else self.lo
 
 
 class NonFiniteGradient(MegapipeError, RuntimeError):
@@ -70,6 +76,30 @@ def _adamw(groups: list[dict], lr: float, config: OptimizerConfig) -> torch.opti
     """
     betas = (config.adam_beta1, config.adam_beta2)
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=config.adam_eps, fused=True)
+
+
+def inner_optimizer(
+    masters: list[torch.Tensor],
+    params: list[torch.nn.Parameter],
+    config: OptimizerConfig,
+    lr: float,
+) -> torch.optim.Optimizer:
+    """torch's AdamW (or SGD) over the fp32 masters, each decayed by the rule for the parameter
+    it stands for (`params[i]`)."""
+    groups = [
+        {
+            "params": [m for m, p in zip(masters, params) if _decays(p)],
+            "weight_decay": config.weight_decay,
+        },
+        {
+            "params": [m for m, p in zip(masters, params) if not _decays(p)],
+            "weight_decay": 0.0,
+        },
+    ]
+    groups = [g for g in groups if g["params"]]
+    if config.optimizer == "adam":
+        return _adamw(groups, lr, config)
+    return torch.optim.SGD(groups, lr=lr, momentum=config.sgd_momentum)
 
 
 @dataclass(frozen=True)
@@ -115,6 +145,10 @@ def _waiter(waits: list[tuple[GradBuffer, object]]):
 class ShardedOptimizer:
     """AdamW or SGD with fp32 master weights over this rank's shard of the gradient buffers."""
 
+    # Copies of every gradient element the world holds (hybrid sharding's replicas): the
+    # world's sum of squares is divided by it.
+    norm_replicas: int = 1
+
     def __init__(
         self,
         buffers: list[GradBuffer],
@@ -159,26 +193,36 @@ class ShardedOptimizer:
                 master = self._master_runs[index][piece.lo - lo : piece.hi - lo]
             master.grad = piece.buffer.grad_data[piece.lo : piece.hi]
             self.masters.append(master)
-        groups = [
-            {
-                "params": [m for m, p in zip(self.masters, self.pieces) if _decays(p.param)],
-                "weight_decay": config.weight_decay,
-            },
-            {
-                "params": [m for m, p in zip(self.masters, self.pieces) if not _decays(p.param)],
-                "weight_decay": 0.0,
-            },
-        ]
-        groups = [g for g in groups if g["params"]]
-        if config.optimizer == "adam":
-            self.inner = _adamw(groups, lr, config)
-        else:
-            self.inner = torch.optim.SGD(groups, lr=lr, momentum=config.sgd_momentum)
+        self.inner = inner_optimizer(self.masters, [p.param for p in self.pieces], config, lr)
 
     @property
     def has_separate_masters(self) -> bool:
         """bf16/fp16: the fp32 masters are copies; fp32: they are the parameters themselves."""
         return self._copy_back
+
+    @property
+    def saves_masters(self) -> bool:
+        """Whether checkpoints hold fp32 masters apart from the weights (bf16/fp16)."""
+        return self._copy_back
+
+    @property
+    def masters_are_weights(self) -> bool:
+        """Whether the masters are the very tensors the weights load into (FSDP2's shards)."""
+        return False
+
+    def gradient_sync(self, deferred_weight_grads: bool) -> contextlib.AbstractContextManager:
+        """Around a step's forward and backward passes: what the gradients' reduction needs
+        (nothing here: the grad buffers see deferred weight gradients as they arrive)."""
+        return contextlib.nullcontext()
+
+    def after_forward_only(self) -> None:
+        """What an evaluation's forward-only pass leaves to undo (nothing here)."""
+
+    def masters_from_weights(self) -> None:
+        """Set the fp32 masters from the (just loaded) weights: a checkpoint without them."""
+        if self._copy_back:
+            for master, piece in zip(self.masters, self.pieces):
+                master.copy_(piece.buffer.param_data[piece.lo : piece.hi])
 
     @property
     def sharded(self) -> bool:
@@ -198,7 +242,7 @@ class ShardedOptimizer:
         group = self.state.world if self.sharded else self.state.model_parallel
         if group.size > 1:
             dist.all_reduce(total, group=group.pg)
-        return math.sqrt(float(total))
+        return math.sqrt(float(total) / self.norm_replicas)
 
     def step(self, lr: float) -> StepOutcome:
         """Update the parameters from their main grads (already finalized over TP/PP/DP).
@@ -291,18 +335,22 @@ class ShardedOptimizer:
         for buffer in self.buffers:
             buffer.reset()
 
+    def _optimizer_state_bytes(self) -> int:
+        """Bytes of the inner optimizer's per-element state (Adam's moments, SGD's momentum)."""
+        return sum(
+            t.numel() * t.element_size()
+            for s in self.inner.state.values()
+            for t in s.values()
+            if torch.is_tensor(t) and t.dim() > 0
+        )
+
     def state_bytes_per_parameter(self) -> dict[str, float]:
         """Measured bytes per model parameter on this rank, by kind (Megatron's memory table)."""
         num_params = sum(p.numel() for b in self.buffers for p in b.params)
         params = sum(b.param_data.numel() * b.param_data.element_size() for b in self.buffers)
         grads = sum(b.grad_data.numel() * b.grad_data.element_size() for b in self.buffers)
         masters = sum(m.numel() * m.element_size() for m in self.masters) if self._copy_back else 0
-        states = sum(
-            t.numel() * t.element_size()
-            for s in self.inner.state.values()
-            for t in s.values()
-            if torch.is_tensor(t) and t.dim() > 0
-        )
+        states = self._optimizer_state_bytes()
         return {
             "params": params / num_params,
             "grads": grads / num_params,

@@ -108,13 +108,19 @@ class SavedTensorPeak:
     counts from the first saved tensor that holds it until the last one is released."""
 
     def __init__(self, parameters: Iterable[torch.nn.Parameter]) -> None:
-        self._params = {p.untyped_storage().data_ptr() for p in parameters}
+        # FSDP2's sharded parameters are DTensors; its gathered copies, which layers save,
+        # are Parameters too (`_pack` skips any Parameter)
+        self._params = {
+            getattr(p, "_local_tensor", p).untyped_storage().data_ptr() for p in parameters
+        }
         self._holders: dict[int, int] = {}
         self._sizes: dict[int, int] = {}
         self.live = self.peak = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, tensor: torch.Tensor) -> object:
+        if isinstance(tensor, torch.nn.Parameter):
+            return tensor
         storage = tensor.untyped_storage()
         key = storage.data_ptr()
         if key in self._params:

@@ -318,7 +318,9 @@ class GPTModel(torch.nn.Module):
         elif self.cross_entropy_fusion:  # the chunked form saves memory on any device
             cross_entropy = chunked_cross_entropy
         loss = cross_entropy(logits, labels.t(), self.tp, self.vocab_start, self.config.vocab_size)
-        return loss.t()
+        # a copy, not a view ([b, s] floats): FSDP2 hooks a wrapped module's output for its
+        # backward, which an in-place op on a view would drop (it warns about any view)
+        return loss.t().clone()
 
     def _dropout_masks(self, sample_ids: torch.Tensor | None) -> LogicalDropout | None:
         config = self.config

@@ -109,6 +109,22 @@ def new_link_groups(
     return mine
 
 
+def hybrid_layout(dp_groups: list[list[int]], instances: int) -> dict[str, list[list[int]]]:
+    """Each DP group split for hybrid sharding: `dp_inner`, `instances` groups of consecutive
+    DP ranks; `dp_outer`, the ranks at the same index of each inner group."""
+    if instances <= 0 or any(len(g) % instances for g in dp_groups):
+        raise ConfigError(
+            f"--num-distributed-optimizer-instances ({instances}) does not divide the "
+            f"data-parallel size ({len(dp_groups[0])})"
+        )
+    inner, outer = [], []
+    for ranks in dp_groups:
+        size = len(ranks) // instances
+        inner += [ranks[i * size : (i + 1) * size] for i in range(instances)]
+        outer += [ranks[j::size] for j in range(size)]
+    return {"dp_inner": inner, "dp_outer": outer}
+
+
 @dataclass(frozen=True)
 class ParallelState:
     """This rank's place in the TP x DP x PP cube and the groups it communicates over."""
@@ -124,6 +140,11 @@ class ParallelState:
     device: torch.device
     # this rank's pipeline links (`pipeline_links`), each its own group: what p2p runs over
     pp_links: Mapping[PipelineLink, Group] = field(default_factory=dict)
+    # Hybrid sharding (--num-distributed-optimizer-instances N > 1): the DP group split into N
+    # groups of consecutive DP ranks (`dp_inner`, where parameters are sharded) and the groups
+    # of the ranks at the same place in each (`dp_outer`, across which they are replicated).
+    dp_inner: Group | None = None
+    dp_outer: Group | None = None
 
     @property
     def tp_rank(self) -> int:
@@ -158,6 +179,8 @@ class ParallelState:
         tensor_model_parallel_size: int = 1,
         pipeline_model_parallel_size: int = 1,
         device: torch.device | str | None = None,
+        *,
+        data_parallel_instances: int = 1,
     ) -> ParallelState:
         """Create every group from the initialised default process group.
 
@@ -182,9 +205,16 @@ class ParallelState:
         links: dict[PipelineLink, Group] = {}
         for ranks in layout["pp"]:
             links.update(new_link_groups(ranks, me, timeout))
+        hybrid: dict[str, Group | None] = {"dp_inner": None, "dp_outer": None}
+        if data_parallel_instances > 1:
+            for kind, lists in hybrid_layout(layout["dp"], data_parallel_instances).items():
+                for ranks in lists:
+                    pg = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
+                    if me in ranks:
+                        hybrid[kind] = Group(tuple(ranks), ranks.index(me), pg)
         if device is None:
             device = torch.device("cpu")
-        return cls(world, me, device=torch.device(device), pp_links=links, **mine)
+        return cls(world, me, device=torch.device(device), pp_links=links, **mine, **hybrid)
 
     def describe(self) -> str:
         return (

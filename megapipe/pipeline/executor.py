@@ -141,6 +141,11 @@ class PipelineExecutor:
         )
         self._compute = {"F": self._forward, "B": self._backward, "W": self._weight_grads}
 
+    @property
+    def defers_weight_grads(self) -> bool:
+        """Whether weight gradients are computed after backward (a zero-bubble schedule's W)."""
+        return self._split_backward
+
     def for_schedule(self, kind: str, num_microbatches: int) -> PipelineExecutor:
         """A sibling executor on the same chunks and communicator for schedule `kind` at
         `num_microbatches` (e.g. "forward-only" for evaluation, or a ramped-up batch)."""

@@ -7,9 +7,24 @@ This module estimates each stage's bytes from the configs alone (before any mode
 rank 0 can print the table at start-up and `--pipeline-partition memory` can choose layer
 counts that even it out.
 
-Bytes per parameter: the parameter in its dtype, its fp32 `main_grad`, and the optimizer's
-fp32 state (Adam: two moments; SGD: momentum; plus an fp32 master copy under bf16/fp16),
-divided over data-parallel ranks with --use-distributed-optimizer. Activations per micro-batch:
+Bytes per parameter (`bytes_per_parameter`, by the data-parallel sharding strategy, over a
+shard group of d = DP / --num-distributed-optimizer-instances ranks; Adam, fp32 | bf16):
+
+| strategy                    | params | grads | optimizer state   | at rest: fp32 | bf16       |
+|-----------------------------|--------|-------|-------------------|---------------|------------|
+| no_shard                    | 4 / 2  | 4     | 8 / 4 + 8         | 16            | 18         |
+| optim (ZeRO-1)              | 4 / 2  | 4     | 8/d / (4 + 8)/d   | 8 + 8/d       | 6 + 12/d   |
+| optim_grads (ZeRO-2)        | 4/d    | 4/d   | 8/d               | 16/d          | 16/d       |
+| optim_grads_params (ZeRO-3) | 4/d    | 4/d   | 8/d               | 16/d          | 16/d       |
+
+(bf16: the optimizer state includes the fp32 master copy; under FSDP2 the fp32 shards are the
+masters.) Under FSDP2 (distributed/fsdp.py) ZeRO-2 and ZeRO-3 both keep the parameters sharded
+between steps; they differ in how many are gathered, in the training dtype, while the step
+runs (`gathered_parameter_bytes`): ZeRO-2 every layer of the stage from its forward to its
+backward (fp32: a peak of about 4 + 16/d, Megatron's 4 + 12/d plus the fp32 shard), ZeRO-3
+the chunk's root group (embedding, final norm, output layer: gathered through the chunk's
+whole forward and backward) and one layer, each plus about one layer's all-gather buffer.
+A shard group of one rank runs the plain path (no_shard's numbers). Activations per micro-batch:
 `model/activation_memory.layer_activation_bytes` per layer (recomputation included), plus
 on the last stage the final norm's and output layer's inputs and the fp32 logits (twice
 under TP: the vocabulary-parallel cross-entropy keeps its own copy). The numbers are per
@@ -33,6 +48,7 @@ from megapipe.config import (
 from megapipe.model.activation_memory import layer_activation_bytes
 from megapipe.model.attention_backends import attention_dropout_rng
 from megapipe.pipeline.partition import StageMap, partition_layers
+from megapipe.pipeline.schedules import ZERO_BUBBLE_KINDS
 from megapipe.pipeline.simulator import simulate_kind
 
 _MB = 1024.0 * 1024.0
@@ -66,12 +82,67 @@ def stage_parameters(config: ModelConfig, layers: int, first: bool, last: bool, 
     return count
 
 
-def bytes_per_parameter(optimizer: OptimizerConfig, dp: int) -> tuple[int, int, float]:
-    """(parameter, gradient, optimizer-state) bytes per parameter on one rank."""
-    param = 2 if optimizer.bf16 or optimizer.fp16 else 4
+def shard_group_size(optimizer: OptimizerConfig, dp: int) -> int:
+    """Ranks one parameter's state is sharded over: DP, or DP / N with hybrid sharding."""
+    return max(1, dp // max(1, optimizer.num_distributed_optimizer_instances))
+
+
+def fsdp_shards(optimizer: OptimizerConfig, dp: int) -> bool:
+    """Whether FSDP2 shards this run (ZeRO-2/3 over more than one rank; else the plain path)."""
+    return optimizer.fsdp and shard_group_size(optimizer, dp) > 1
+
+
+def training_dtype_bytes(optimizer: OptimizerConfig) -> int:
+    return 2 if optimizer.bf16 or optimizer.fp16 else 4
+
+
+def bytes_per_parameter(optimizer: OptimizerConfig, dp: int) -> tuple[float, float, float]:
+    """(parameter, gradient, optimizer-state) bytes per parameter on one rank at rest (between
+    steps, gradients still held), by `optimizer.sharding` (the module docstring's table). The
+    optimizer state includes the fp32 master copy where there is a separate one."""
+    d = shard_group_size(optimizer, dp)
+    param = training_dtype_bytes(optimizer)
     states = 2 if optimizer.optimizer == "adam" else (1 if optimizer.sgd_momentum else 0)
+    if fsdp_shards(optimizer, dp):  # fp32 shards are the masters; fp32 sharded gradients
+        return 4 / d, 4 / d, 4 * states / d
     state = 4 * states + (4 if param == 2 else 0)
-    return param, 4, state / (dp if optimizer.use_distributed_optimizer else 1)
+    return param, 4, state / (d if optimizer.sharding == "optim" else 1)
+
+
+def gathered_parameter_bytes(
+    config: ModelConfig,
+    optimizer: OptimizerConfig,
+    dp: int,
+    layers: int,
+    first: bool,
+    last: bool,
+    tp: int,
+    *,
+    whole_stage: bool = False,
+) -> int:
+    """Peak bytes FSDP2 holds gathered on one rank of a stage of `layers` layers, on top of the
+    shards, in the training dtype (0 without FSDP2): the gathered parameters, and the flat
+    all-gather buffer of the last group gathered (forward frees it at the next group's
+    copy-out, so for a moment it sits beside the next group's buffer). Measured on torch
+    2.13 (tests/test_stage_memory.py): the chunk's root group (embedding / final norm / output
+    layer, gathered for the chunk's whole forward and backward) plus the larger of (its
+    buffer + the first layer's) and (the layers gathered + one layer's buffer): under ZeRO-2
+    every layer stays gathered, under ZeRO-3 one (and one more buffer when
+    --overlap-param-gather prefetches the next layer in forward). `whole_stage`: a zero-bubble
+    schedule, whose step keeps every layer gathered until its last W (ZeRO-2's count under
+    either strategy; `distributed/fsdp.reduce_after_step`). Not counted: the unsharded
+    gradients of the group in backward and the reduce-scatter buffers (about a layer)."""
+    if not fsdp_shards(optimizer, dp):
+        return 0
+    layer = layer_parameters(config, tp)
+    root = stage_parameters(config, 0, first, last, tp)
+    if optimizer.sharding == "optim_grads" or whole_stage:
+        held = layers + min(layers, 1)
+    else:
+        prefetch = 1 if optimizer.overlap_param_gather and layers > 1 else 0
+        held = min(layers, 1) * 2 + prefetch
+    count = root + max(root + min(layers, 1) * layer, held * layer)
+    return count * training_dtype_bytes(optimizer)
 
 
 def head_activation_bytes(
@@ -135,6 +206,7 @@ class StageMemory:
     optimizer_bytes: float
     activation_bytes: float  # peak: per micro-batch x micro-batches in flight
     in_flight: int
+    gathered_bytes: float = 0.0  # FSDP2's parameters gathered during the step (ZeRO-2/3)
 
     @property
     def total_bytes(self) -> float:
@@ -143,6 +215,7 @@ class StageMemory:
             + self.gradient_bytes
             + self.optimizer_bytes
             + self.activation_bytes
+            + self.gathered_bytes
         )
 
 
@@ -193,6 +266,11 @@ class MemoryModel:
         layers = sum(chunks)
         count = stage_parameters(self.config, layers, first, last, tp)
         param, grad, state = bytes_per_parameter(self.optimizer, self.data_parallel_size)
+        dtype_bytes = training_dtype_bytes(self.optimizer)
+        gathered = gathered_parameter_bytes(
+            self.config, self.optimizer, self.data_parallel_size, layers, first, last, tp,
+            whole_stage=self.parallel.schedule in ZERO_BUBBLE_KINDS,
+        )  # fmt: skip
         recompute = recompute or self.recompute  # the memory partition's choice, or the flags'
         per_chunk = [
             stage_activation_bytes(
@@ -204,14 +282,14 @@ class MemoryModel:
                 n,
                 first and c == 0,
                 last and c == len(chunks) - 1,
-                param,
+                dtype_bytes,
                 self.attention_dropout_fused,
             )
             for c, n in enumerate(chunks)
         ]
         activations = sum(per_chunk) / len(per_chunk) * in_flight
         return StageMemory(index, layers, count, count * param, count * grad, count * state,
-                           activations, in_flight)  # fmt: skip
+                           activations, in_flight, gathered)  # fmt: skip
 
     def stages(self, stage_map: StageMap) -> list[StageMemory]:
         """The estimate for every pipeline rank of `stage_map`."""
@@ -241,13 +319,18 @@ def describe(stages: list[StageMemory], measured: list[float | None] | None = No
         "memory per pipeline stage (MiB per rank, estimated): stage | layers | parameters | "
         "params | grads | optimizer | activations (in flight) | total"
     )
+    gathered = any(s.gathered_bytes for s in stages)
+    if gathered:
+        header = header.replace("| total", "| gathered params | total")
     lines = [header]
     for i, s in enumerate(stages):
         line = (
             f"  {s.stage:5d} | {s.layers:6d} | {s.parameters:10d} | "
             f"{s.parameter_bytes / _MB:8.1f} | {s.gradient_bytes / _MB:8.1f} | "
             f"{s.optimizer_bytes / _MB:9.1f} | "
-            f"{s.activation_bytes / _MB:8.1f} ({s.in_flight}) | {s.total_bytes / _MB:8.1f}"
+            f"{s.activation_bytes / _MB:8.1f} ({s.in_flight}) | "
+            + (f"{s.gathered_bytes / _MB:15.1f} | " if gathered else "")
+            + f"{s.total_bytes / _MB:8.1f}"
         )
         if measured is not None and measured[i] is not None:
             line += f" | measured activations {measured[i] / _MB:.1f}"

@@ -15,11 +15,24 @@ RECOMPUTE_MODES: dict[str, RecomputeConfig] = {
     "full": RecomputeConfig("full", "uniform", 1),
 }
 
+# The data-parallel sharding strategies (OptimizerConfig.data_parallel_sharding_strategy, in
+# Megatron-LM's words) and how describe() names them: "" plain DP, "dist-opt" the distributed
+# optimizer (ZeRO-1), "ZeRO-2" / "ZeRO-3" sharded gradients (and parameters) on FSDP2.
+SHARDING: dict[str, str] = {
+    "no_shard": "",
+    "optim": "dist-opt",
+    "optim_grads": "ZeRO-2",
+    "optim_grads_params": "ZeRO-3",
+}
+FSDP_SHARDING = ("optim_grads", "optim_grads_params")  # gradients sharded: run on FSDP2
+
 
 @dataclass(frozen=True)
 class Layout:
     """TP x PP x DP ranks, VP model chunks per pipeline rank, the micro-batch, recomputation
-    (a RECOMPUTE_MODES key), the distributed optimizer (ZeRO-1) and the pipeline schedule."""
+    (a RECOMPUTE_MODES key), the data-parallel sharding (a SHARDING key: no_shard, optim =
+    the distributed optimizer, optim_grads = ZeRO-2, optim_grads_params = ZeRO-3) and the
+    pipeline schedule."""
 
     tp: int
     pp: int
@@ -27,8 +40,23 @@ class Layout:
     vp: int = 1
     micro_batch: int = 1
     recompute: str = "none"
-    distributed_optimizer: bool = False
+    sharding: str = "no_shard"
     schedule: str = "1f1b"
+
+    def __post_init__(self) -> None:
+        if self.sharding not in SHARDING:  # also catches the old bool distributed_optimizer
+            raise ValueError(f"Layout.sharding {self.sharding!r} is not one of "
+                             f"{', '.join(SHARDING)}")  # fmt: skip
+
+    @property
+    def distributed_optimizer(self) -> bool:
+        """ZeRO-1: megapipe's distributed optimizer (--use-distributed-optimizer)."""
+        return self.sharding == "optim"
+
+    @property
+    def fsdp(self) -> bool:
+        """Gradients (ZeRO-2) and parameters (ZeRO-3) sharded too: torch's FSDP2."""
+        return self.sharding in FSDP_SHARDING
 
     def num_microbatches(self, global_batch: int) -> int:
         return global_batch // (self.micro_batch * self.dp)
@@ -43,8 +71,12 @@ class Layout:
         )
 
     def optimizer_config(self, half_precision: bool) -> OptimizerConfig:
+        """As arguments/sharding_flags.resolve_sharding settles the flags: the distributed
+        optimizer's flag for optim, the strategy itself for ZeRO-2/3."""
         return OptimizerConfig(
-            bf16=half_precision, use_distributed_optimizer=self.distributed_optimizer
+            bf16=half_precision,
+            use_distributed_optimizer=self.distributed_optimizer,
+            data_parallel_sharding_strategy=self.sharding if self.fsdp else "no_shard",
         )
 
     @property
@@ -52,12 +84,13 @@ class Layout:
         return RECOMPUTE_MODES[self.recompute]
 
     def describe(self) -> str:
-        """`TP8 PP4 VP2 DP32 mb1 full dist-opt interleaved-1f1b`."""
+        """`TP8 PP4 VP2 DP32 mb1 full dist-opt interleaved-1f1b`, `TP1 PP1 DP64 mb1 none
+        ZeRO-3 1f1b`."""
         parts = [f"TP{self.tp}", f"PP{self.pp}"]
         if self.vp > 1:
             parts.append(f"VP{self.vp}")
         parts += [f"DP{self.dp}", f"mb{self.micro_batch}", self.recompute]
-        if self.distributed_optimizer:
-            parts.append("dist-opt")
+        if SHARDING[self.sharding]:
+            parts.append(SHARDING[self.sharding])
         parts.append(self.schedule)
         return " ".join(parts)

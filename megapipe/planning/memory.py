@@ -1,6 +1,7 @@
 """Bytes per GPU of a layout: pipeline/stage_memory.MemoryModel's numbers, nothing new.
 
-MemoryModel gives each pipeline stage's parameters, gradients, optimizer state and peak
+MemoryModel gives each pipeline stage's parameters, gradients, optimizer state (each sharded
+over DP as the layout's sharding strategy shards it), ZeRO-2/3's gathered parameters and peak
 activations (model/activation_memory's per-layer formula times the micro-batches in flight).
 The planner asks it for two stages only: with a uniform partition the middle stages hold the
 same layers as the first with fewer micro-batches in flight and no embedding, so the largest
@@ -31,15 +32,17 @@ class LayoutMemory:
     optimizer: float
     activations: float
     in_flight: int
+    gathered: float = 0.0  # ZeRO-2/3: parameters FSDP2 holds gathered while the step runs
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations
+        return self.params + self.grads + self.optimizer + self.activations + self.gathered
 
     @classmethod
     def of(cls, stage: StageMemory) -> LayoutMemory:
         return cls(stage.stage, stage.parameters, stage.parameter_bytes, stage.gradient_bytes,
-                   stage.optimizer_bytes, stage.activation_bytes, stage.in_flight)  # fmt: skip
+                   stage.optimizer_bytes, stage.activation_bytes, stage.in_flight,
+                   stage.gathered_bytes)  # fmt: skip
 
 
 def memory_model(

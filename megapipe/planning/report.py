@@ -1,10 +1,12 @@
-"""The text tools/plan.py prints: the ranking, why the top layout wins, what was rejected."""
+"""The text tools/plan.py prints: the ranking, why the top layout wins, whether sharded data
+parallelism (ZeRO-2/3) beats model parallelism on the cluster, what was rejected."""
 
 from __future__ import annotations
 
 from megapipe.config import ModelConfig
 from megapipe.pipeline.stage_memory import stage_parameters
 from megapipe.planning.cluster import GIB
+from megapipe.planning.layout import FSDP_SHARDING, SHARDING
 from megapipe.planning.search import Evaluated, Plan
 
 
@@ -21,15 +23,18 @@ def describe_model(model: ModelConfig) -> str:
 def time_terms(entry: Evaluated) -> str:
     t = entry.time
     terms = " + ".join(f"{name} {seconds:.3f}" for name, seconds in t.terms().items())
-    return f"step {t.total:.3f} s = {terms} (bubble {t.bubble_fraction:.1%} of the stage's work)"
+    gathers = f", DP all-gathers {t.dp_gather:.3f} of it" if t.dp_gather > 0 else ""
+    return (f"step {t.total:.3f} s = {terms} (bubble {t.bubble_fraction:.1%} of the stage's "
+            f"work{gathers})")  # fmt: skip
 
 
 def memory_terms(entry: Evaluated) -> str:
     m = entry.memory
+    gathered = f" + gathered params {m.gathered / GIB:.1f}" if m.gathered else ""
     return (
         f"memory {m.total / GIB:.1f} GiB per GPU (largest: stage {m.stage}, "
         f"{m.parameters / 1e6:.0f}M parameters) = params {m.params / GIB:.1f} + grads "
-        f"{m.grads / GIB:.1f} + optimizer {m.optimizer / GIB:.1f} + activations "
+        f"{m.grads / GIB:.1f} + optimizer {m.optimizer / GIB:.1f}{gathered} + activations "
         f"{m.activations / GIB:.1f} (micro-batches in flight: {m.in_flight})"
     )
 
@@ -69,6 +74,55 @@ def why_top(plan: Plan, alternatives: int = 4) -> list[str]:
     return lines
 
 
+def _loses_on(entry: Evaluated, other: Evaluated) -> str:
+    """The term in which `entry` is slower than `other` by the most."""
+    name, delta = max(
+        ((k, entry.time.terms()[k] - other.time.terms()[k]) for k in entry.time.terms()),
+        key=lambda kv: kv[1],
+    )
+    return f"{name} {delta:+.3g} s"
+
+
+def sharding_verdict(plan: Plan) -> str:
+    """One line: whether the best pure sharded-DP layout (TP1 PP1, ZeRO-2/3) fits, and how
+    its step compares with the best model-parallel one (TP x PP > 1, plain DP or ZeRO-1)."""
+    world = plan.cluster.world_size
+    what = "sharded DP vs TP x PP: "
+    if world == 1:
+        return what + "one GPU: nothing to shard or split"
+    if not set(FSDP_SHARDING) & set(plan.options.sharding):
+        return what + "ZeRO-2/3 not searched (--sharding)"
+    sharded = plan.position(lambda x: x.tp == x.pp == 1 and x.fsdp)
+    model_parallel = plan.position(lambda x: x.tp * x.pp > 1 and not x.fsdp)
+    if model_parallel:
+        mp = model_parallel[1]
+        best_mp = (f"the best TP x PP layout (#{model_parallel[0]} {mp.layout.describe()}, "
+                   f"{mp.time.total:.3g} s, {mp.memory.total / GIB:.3g} GiB)")  # fmt: skip
+    if sharded:
+        sh = sharded[1]
+        name = f"{SHARDING[sh.layout.sharding]} at DP{world}"
+        fits = (f"{name} fits (#{sharded[0]} {sh.layout.describe()}, {sh.time.total:.3g} s, "
+                f"{sh.memory.total / GIB:.3g} GiB)")  # fmt: skip
+        if not model_parallel:
+            return what + f"{fits}; no TP x PP layout does"
+        if sh.time.total <= mp.time.total:
+            faster = 1 - sh.time.total / mp.time.total
+            return what + f"{fits} and is {faster:.0%} faster than {best_mp}"
+        slower = sh.time.total / mp.time.total - 1
+        return what + (f"{fits} but is {slower:.0%} slower than {best_mp}: "
+                       f"{_loses_on(sh, mp)}")  # fmt: skip
+    over = [r for r in plan.rejected if r.layout is not None and r.memory_bytes is not None
+            and r.layout.tp == r.layout.pp == 1 and r.layout.fsdp]  # fmt: skip
+    if over:
+        least = min(over, key=lambda r: r.memory_bytes or 0.0)
+        why = f"the smallest ({least.what}) {least.reason}"
+    else:
+        reasons = [r.reason for r in plan.rejected if r.what.startswith("TP1 PP1 ")]
+        why = reasons[0] if reasons else "none was searched"
+    line = f"no ZeRO-2/3 layout at DP{world} fits: {why}"
+    return what + line + (f"; {best_mp} does" if model_parallel else "")
+
+
 def format_plan(
     plan: Plan, top: int = 10, explain: bool = False, show_rejected: bool = False
 ) -> str:
@@ -77,7 +131,8 @@ def format_plan(
         f"model: {describe_model(plan.model)}; global batch {plan.global_batch}",
         f"cluster: {plan.cluster.describe()}",
         f"assumptions: {'bf16' if knobs.half_precision else 'fp32'}, Adam, TP overlap "
-        f"{knobs.tp_overlap:.0%}, DP overlap {knobs.dp_overlap:.0%}, memory limit "
+        f"{knobs.tp_overlap:.0%}, DP overlap {knobs.dp_overlap:.0%}, ZeRO-2/3 gather overlap "
+        f"{knobs.param_gather_overlap:.0%}, memory limit "
         f"{options.memory_fraction:.0%} of the GPU, sequence parallel "
         f"{'on' if options.sequence_parallel else 'off'}",
     ]
@@ -96,8 +151,10 @@ def format_plan(
                 lines += [f"       {time_terms(entry)}", f"       {memory_terms(entry)}"]
         lines.append("")
         lines += why_top(plan)
+        lines.append(sharding_verdict(plan))
     else:
         lines.append("no layout fits: see the rejections (--show-rejected)")
+        lines.append(sharding_verdict(plan))
     if show_rejected and plan.rejected:
         lines.append("")
         lines.append("rejected:")

@@ -5,7 +5,9 @@ or query groups do not divide by TP, a TP group would span two nodes (TP above, 
 divisor of, the GPUs per node; unless allowed: its all-reduces would leave NVLink), the layers
 do not divide by PP x VP, the global batch does not divide by micro-batch x DP, the schedule
 cannot run it (`schedules.validate_schedule`'s message), or its largest stage needs more than
-`memory_fraction` of the GPU's memory. The rest are ranked by estimated step time, then memory.
+`memory_fraction` of the GPU's memory. The rest are ranked by
+estimated step time, then memory. Data-parallel sharding (no_shard, ZeRO-1/2/3) is searched
+only where DP > 1: at DP1 there is nothing to shard.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from megapipe.config import ModelConfig
 from megapipe.errors import ConfigError
 from megapipe.pipeline import schedules
 from megapipe.planning.cluster import GIB, Cluster
-from megapipe.planning.layout import RECOMPUTE_MODES, Layout
+from megapipe.planning.layout import RECOMPUTE_MODES, SHARDING, Layout
 from megapipe.planning.memory import LayoutMemory, layout_memory
 from megapipe.planning.time_model import StepTime, TimeKnobs, step_time, within_node
 
@@ -28,7 +30,8 @@ class PlanOptions:
 
     micro_batches: tuple[int, ...] = (1, 2, 4, 8)
     recompute: tuple[str, ...] = tuple(RECOMPUTE_MODES)
-    distributed_optimizer: tuple[bool, ...] = (False, True)
+    # Layout.sharding values: plain DP, the distributed optimizer (ZeRO-1), ZeRO-2, ZeRO-3
+    sharding: tuple[str, ...] = tuple(SHARDING)
     schedules: tuple[str, ...] | None = None  # None: every training kind SCHEDULE_KINDS has
     max_vp: int = 4
     allow_cross_node_tp: bool = False
@@ -49,6 +52,8 @@ class Rejected:
     what: str  # the layout, or the part of it the reason concerns ("TP16")
     category: str  # a short key, for the summary
     reason: str
+    layout: Layout | None = None  # when a whole layout was rejected
+    memory_bytes: float | None = None  # what it needs, when rejected for memory
 
 
 @dataclass
@@ -115,7 +120,7 @@ def _evaluate(
         return Rejected(layout.describe(), "memory",
                         f"needs {memory.total / GIB:.1f} GiB > {usable / GIB:.1f} GiB usable "
                         f"({options.memory_fraction:.0%} of "
-                        f"{cluster.memory_bytes / GIB:.0f})")  # fmt: skip
+                        f"{cluster.memory_bytes / GIB:.0f})", layout, memory.total)  # fmt: skip
     return Evaluated(layout, memory, step_time(model, layout, cluster, global_batch, options.knobs))
 
 
@@ -162,8 +167,8 @@ def plan(
                         reject(Rejected(f"{where} DP{dp} mb{mb} {kind}", "schedule", str(error)))
                         continue
                     for recompute in options.recompute:
-                        for dist_opt in options.distributed_optimizer if dp > 1 else (False,):
-                            layout = Layout(tp, pp, dp, vp, mb, recompute, dist_opt, kind)
+                        for sharding in options.sharding if dp > 1 else ("no_shard",):
+                            layout = Layout(tp, pp, dp, vp, mb, recompute, sharding, kind)
                             entry = _evaluate(model, cluster, global_batch, options, layout)
                             if isinstance(entry, Rejected):
                                 reject(entry)

@@ -24,13 +24,31 @@ Assumptions (stated, each a knob or a line here):
   backward waits for one; the fill adds p - 1), each split over the TP ranks (Megatron's
   scatter/gather: every TP rank sends 1/t over its own link); inter-node bandwidth once the
   world is larger than a node. Not overlapped (megapipe posts and waits per unit).
-* DP: the fp32 gradients all-reduced over d ranks (ring, 2 (d-1)/d x 4 bytes per parameter),
-  or with the distributed optimizer reduce-scattered (fp32) and the updated parameters
-  all-gathered (in their dtype), (d-1)/d x (4 + 2) bytes; NVLink when TP x DP fits in a node.
-  `dp_overlap` of it hides behind the backward (0 by default: off unless --overlap-grad-reduce).
+* DP, by sharding strategy (Layout.sharding), ring collectives over d ranks moving (d-1)/d x
+  the full tensor's bytes each (an all-reduce twice that), NVLink when TP x DP fits in a node;
+  gradients reduced in fp32 (4 bytes), parameters gathered in the training dtype (g = 2 bf16,
+  4 fp32), as distributed/fsdp.py's MixedPrecisionPolicy and the distributed optimizer do:
+  - no_shard: the gradients all-reduced once per step, 2 (d-1)/d x 4 bytes a parameter;
+  - optim (ZeRO-1): reduce-scattered once per step and the updated parameters all-gathered
+    once, (d-1)/d x (4 + g);
+  - optim_grads (ZeRO-2): every micro-batch gathers each layer's parameters for its forward
+    (kept to the backward) and reduce-scatters its gradients, m (d-1)/d x (g + 4);
+  - optim_grads_params (ZeRO-3): every micro-batch gathers them for the forward and again for
+    the backward, and reduce-scatters, m (d-1)/d x (2 g + 4).
+  ZeRO-2/3's per-micro-batch collectives are part of each micro-batch's work on a stage, so
+  they also lengthen the pipeline bubble. Each FSDP group (every transformer layer, and the
+  chunk holding the embedding or the output layer) is one collective. ZeRO-2 under a pipeline
+  gathers less when a layer's next forward comes before its backward (parameters still
+  gathered): m gathers is an upper bound there.
+  Overlap: `dp_overlap` of the gradient reductions (no_shard and ZeRO-1: the whole once-per-
+  step term, as before) hides behind the backward (0 by default: off unless
+  --overlap-grad-reduce); `param_gather_overlap` of ZeRO-2/3's all-gathers hides behind the
+  layers' compute (FSDP2's prefetch, --overlap-param-gather; 0 by default, which is what gloo
+  on a CPU gives); what ZeRO-2/3 hide per micro-batch is at most that micro-batch's compute.
 * Latency: every collective and send above also costs the cluster's `collective_latency_us`
   (TP: each all-reduce; PP: each send; DP: each bucket's collective, two with the distributed
-  optimizer). Small for large models on GPUs (0.6% of a 1.3B TP2 DP8 step on 2 DGX A100s);
+  optimizer; ZeRO-2/3: each FSDP group's collectives, per micro-batch). Small for large
+  models on GPUs (0.6% of a 1.3B TP2 DP8 step on 2 DGX A100s);
   on a CPU with gloo it is most of TP's cost.
 * Left out: the optimizer step and other memory-bound work (norms, softmax, GeLU), the tied
   embedding's all-reduce between the first and last stage, data loading, kernel launches.
@@ -60,6 +78,9 @@ class TimeKnobs:
 
     tp_overlap: float = 0.0
     dp_overlap: float = 0.0
+    # ZeRO-2/3: the fraction of the per-micro-batch all-gathers hidden behind compute (FSDP2's
+    # prefetch of the next layer's parameters); 0: each layer waits for its gather
+    param_gather_overlap: float = 0.0
     # the backward TP all-reduces run under their linears' weight-gradient matmuls (megapipe's
     # TP linear, --tp-comm-overlap's default; Megatron-LM from late 2021: async all-reduce)
     tp_weight_grad_overlap: bool = True
@@ -83,6 +104,7 @@ class StepTime:
     bubble_fraction: float
     flops: int  # model FLOPs of the iteration (Megatron's count, no recomputation)
     world_size: int
+    dp_gather: float = 0.0  # the parameter all-gathers' part of dp_comm (ZeRO-1/2/3)
 
     @property
     def total(self) -> float:
@@ -142,6 +164,59 @@ def pp_bandwidth(cluster: Cluster, layout: Layout) -> float:
     return _bandwidth(cluster, layout.tp * layout.dp * layout.pp)
 
 
+@dataclass(frozen=True)
+class DataParallelTime:
+    """One stage's exposed DP communication: once per step (no_shard, ZeRO-1) and per
+    micro-batch (ZeRO-2/3), with the all-gathers' part of each."""
+
+    once: float = 0.0
+    once_gather: float = 0.0
+    per_microbatch: float = 0.0
+    gather_per_microbatch: float = 0.0
+
+
+def ring_shard_seconds(nbytes: float, ranks: int, gbps: float) -> float:
+    """A ring reduce-scatter or all-gather of a tensor of `nbytes` (whole, not the shard)
+    over `ranks`: (ranks-1)/ranks x bytes / bandwidth."""
+    return (ranks - 1) / ranks * nbytes / (gbps * GB) if ranks > 1 else 0.0
+
+
+def data_parallel_seconds(
+    layout: Layout,
+    cluster: Cluster,
+    knobs: TimeKnobs,
+    params: int,
+    groups: int,
+    compute_per_microbatch: float,
+) -> DataParallelTime:
+    """The DP term of the module docstring for a stage of `params` parameters (one TP rank's)
+    in `groups` FSDP groups, whose micro-batch computes for `compute_per_microbatch` s."""
+    d, g = layout.dp, knobs.dtype_bytes
+    if d == 1:
+        return DataParallelTime()
+    gbps = dp_bandwidth(cluster, layout)
+    latency = cluster.collective_latency_us * 1e-6
+    if layout.fsdp:
+        gathers = 2 if layout.sharding == "optim_grads_params" else 1
+        gather = gathers * (ring_shard_seconds(params * g, d, gbps) + groups * latency)
+        reduce = ring_shard_seconds(params * 4, d, gbps) + groups * latency
+        hidden = gather * knobs.param_gather_overlap + reduce * knobs.dp_overlap
+        hidden = min(hidden, compute_per_microbatch)
+        exposed_gather = gather * (1 - knobs.param_gather_overlap)
+        return DataParallelTime(
+            per_microbatch=gather + reduce - hidden,
+            gather_per_microbatch=min(exposed_gather, gather + reduce - hidden),
+        )
+    buckets = -(-params // DEFAULT_BUCKET_SIZE)
+    if layout.distributed_optimizer:  # a reduce-scatter and an all-gather per bucket
+        gather = ring_shard_seconds(params * g, d, gbps) + buckets * latency
+        reduce = ring_shard_seconds(params * 4, d, gbps) + buckets * latency
+    else:
+        gather, reduce = 0.0, ring_all_reduce_seconds(params * 4, d, gbps) + buckets * latency
+    keep = 1 - knobs.dp_overlap
+    return DataParallelTime(once=(gather + reduce) * keep, once_gather=gather * keep)
+
+
 def step_time(
     model: ModelConfig,
     layout: Layout,
@@ -180,7 +255,6 @@ def step_time(
     per_layer = forward_all_reduces * all_reduce + behind_weight_grad(qkv) + behind_weight_grad(fc1)
     output_layer = behind_weight_grad(vocab) + fixed_cost(t)  # + the CE all-gather
     stage_map = partition_layers(model, p, v)
-    param_bytes = knobs.dtype_bytes
     stages = []
     for rank in sorted({0, p - 1}):
         layers = sum(len(chunk) for chunk in stage_map.layers[rank])
@@ -190,17 +264,13 @@ def step_time(
         tp = layers * per_layer + first * all_reduce + last * output_layer
         tp *= 1 - knobs.tp_overlap
         params = stage_parameters(model, layers, first, last, t)
-        buckets = -(-params // DEFAULT_BUCKET_SIZE)
-        if layout.distributed_optimizer:
-            grads = (d - 1) / d * params * (4 + param_bytes) / (dp_bandwidth(cluster, layout) * GB)
-            grads += fixed_cost(d, 2 * buckets)  # a reduce-scatter and an all-gather each
-        else:
-            grads = ring_all_reduce_seconds(params * 4, d, dp_bandwidth(cluster, layout))
-            grads += fixed_cost(d, buckets)
-        stages.append((compute + tp, compute, tp, grads * (1 - knobs.dp_overlap)))
-    _, compute, tp, _ = max(stages)
+        roots = int(first) + int(last) - int(first and last and v == 1)  # embedding, head
+        dp = data_parallel_seconds(layout, cluster, knobs, params, layers + roots, compute)
+        stages.append((compute + tp + dp.per_microbatch, compute, tp, dp))
+    _, compute, tp, dp = max(stages, key=lambda s: s[0])
     filling = min(s[0] for s in stages)
-    dp = max(s[3] for s in stages)
+    once = max(s[3].once for s in stages)
+    gather = max(s[3].once_gather for s in stages) + m * dp.gather_per_microbatch
     beta = bubble_fraction(layout.schedule, p, v, m)
     p2p = activation / (t if knobs.pp_scatter_gather else 1) / (pp_bandwidth(cluster, layout) * GB)
     p2p += fixed_cost(p)
@@ -210,8 +280,9 @@ def step_time(
         bubble=beta * m * filling,
         tp_comm=m * tp,
         pp_comm=pp,
-        dp_comm=dp,
+        dp_comm=m * dp.per_microbatch + once,
         bubble_fraction=beta,
         flops=flops_per_iteration(model, global_batch, padded_vocab_size=vocab),
         world_size=t * p * d,
+        dp_gather=gather,
     )

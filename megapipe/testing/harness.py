@@ -151,7 +151,9 @@ def train_with_flags(rank: int, world_size: int, argv: list[str]) -> tuple[list,
     configs = parse_args(argv, world_size)
     parallel = configs.parallel
     state = ParallelState.build(
-        parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+        parallel.tensor_model_parallel_size,
+        parallel.pipeline_model_parallel_size,
+        data_parallel_instances=configs.optimizer.num_distributed_optimizer_instances,
     )
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

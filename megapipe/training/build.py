@@ -9,12 +9,17 @@ MEGAPIPE_FAULT (training/faults.py) is read here, once, into the run's `Activity
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+
+import torch
 
 from megapipe.activity import Activity
 from megapipe.config import Configs
 from megapipe.console import print_line
 from megapipe.data.sources import BatchSources, build_batch_sources
+from megapipe.distributed.fsdp import describe_sharding, shard_chunks, uses_fsdp
+from megapipe.distributed.fsdp_optimizer import FSDPOptimizer
 from megapipe.distributed.grad_buffer import GradBuffer
 from megapipe.distributed.loss_scaler import make_loss_scaler
 from megapipe.distributed.optimizer import ShardedOptimizer
@@ -104,14 +109,16 @@ def build_run(
     chunks = build_model_chunks_for(configs, state, stage_map)
     if announce:
         _announce_model(configs, state, chunks)
+    optimizer = build_optimizer(chunks, configs, state, activity)  # FSDP2 wraps chunks first
     executor = build_executor(chunks, configs, state, activity)
-    optimizer = build_optimizer(chunks, configs, state, activity)
     batch_sizes = batch_size_schedule_of(configs.training, state.dp.size)
     counts = samples or SampleCounts.of(configs, batch_sizes)
     data = build_batch_sources(  # mock samples, or the splits of --data-path (rank 0 indexes)
         configs, train_samples=counts.train, valid_samples=counts.valid, test_samples=counts.test
     )
-    evaluators = build_evaluators(chunks, executor, data, configs, state)
+    evaluators = build_evaluators(
+        chunks, executor, data, configs, state, after=optimizer.after_forward_only
+    )
     return Run(configs, state, activity, stage_map, memory, chunks, executor, optimizer,
                batch_sizes, data, evaluators)  # fmt: skip
 
@@ -122,6 +129,9 @@ def _check_and_announce_layout(configs: Configs, state: ParallelState) -> None:
         state,
         world_size_line(state.world_size, state.dp.size, state.tp.size, state.pp.size),
     )
+    sharding = describe_sharding(configs.optimizer, state)
+    if sharding is not None:
+        print_rank_0(state, sharding)
     check_attention_backend(
         configs.kernels.attention_backend,
         state.device,
@@ -183,8 +193,10 @@ def build_model_chunks_for(
         recompute=recompute,
         kernels=configs.kernels,
     )
+    # FSDP2 keeps fp32 shards as the masters and gathers them in the training dtype
+    dtype = torch.float32 if uses_fsdp(configs.optimizer, state) else configs.optimizer.params_dtype
     for chunk in chunks:
-        chunk.to(configs.optimizer.params_dtype)
+        chunk.to(dtype)
         chunk.train()
         set_tp_comm_overlap(chunk, configs.parallel.tp_comm_overlap)
     return chunks
@@ -197,8 +209,21 @@ def build_optimizer(
     activity: Activity | None = None,
 ) -> ShardedOptimizer:
     """Gradient buffers for every chunk, and the (possibly sharded) mixed-precision optimizer;
-    `activity` records what they wait in."""
+    `activity` records what they wait in. With sharded gradients (ZeRO-2/3) the chunks are
+    wrapped in FSDP2 here instead (in place), and the optimizer steps their shards."""
     opt = configs.optimizer
+    scaler = make_loss_scaler(
+        fp16=opt.fp16,
+        loss_scale=opt.loss_scale if opt.fp16 else None,
+        initial_loss_scale=opt.initial_loss_scale,
+        min_loss_scale=opt.min_loss_scale,
+        loss_scale_window=opt.loss_scale_window,
+        hysteresis=opt.hysteresis,
+    )
+    if uses_fsdp(opt, state):
+        layers = [list(chunk.decoder.layers.values()) for chunk in chunks]
+        modules = shard_chunks(chunks, layers, state, opt)
+        return FSDPOptimizer(chunks, modules, state, opt, configs.training.lr, scaler)
     num_microbatches = configs.training.num_microbatches(state.dp.size)
     buffers = [
         GradBuffer(
@@ -213,14 +238,6 @@ def build_optimizer(
         )
         for chunk in chunks
     ]
-    scaler = make_loss_scaler(
-        fp16=opt.fp16,
-        loss_scale=opt.loss_scale if opt.fp16 else None,
-        initial_loss_scale=opt.initial_loss_scale,
-        min_loss_scale=opt.min_loss_scale,
-        loss_scale_window=opt.loss_scale_window,
-        hysteresis=opt.hysteresis,
-    )
     return ShardedOptimizer(buffers, state, opt, configs.training.lr, scaler)
 
 
@@ -280,6 +297,7 @@ def build_evaluators(
     data: BatchSources,
     configs: Configs,
     state: ParallelState,
+    after: Callable[[], None] | None = None,
 ) -> dict[str, Evaluator]:
     """An evaluator per split that has data ("valid", "test"); none with --eval-iters 0. They
     run forward-only at the full global batch, whatever the ramp-up."""
@@ -296,6 +314,7 @@ def build_evaluators(
             global_batch_size=training.global_batch_size,
             micro_batch_size=training.micro_batch_size,
             eval_iters=training.eval_iters,
+            after=after,
         )
         for name, source in (("valid", data.valid), ("test", data.test))
         if source is not None

@@ -12,7 +12,7 @@ definition), known on every rank.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -37,7 +37,11 @@ class Evaluator:
         global_batch_size: int,
         micro_batch_size: int,
         eval_iters: int,
+        after: Callable[[], None] | None = None,
     ) -> None:
+        """`after`: called once each evaluation is done (FSDP2 ZeRO-2 frees the parameters a
+        forward without backward left gathered)."""
+        self.after = after
         self.chunks = list(chunks)
         self.executor = executor
         self.data = data
@@ -69,4 +73,6 @@ class Evaluator:
         finally:
             for chunk in self.chunks:
                 chunk.train()
+            if self.after is not None:
+                self.after()
         return {LOSS_NAME: total / self.eval_iters}

@@ -146,12 +146,13 @@ def train_step(
     for buffer in optimizer.buffers:
         buffer.expect_microbatches(batch.num_microbatches)
     start = time.perf_counter()
-    losses = executor.run(
-        batch.reader(data),
-        sample_ids=batch.sample_ids,
-        loss_scale=scaler.scale if scaler is not None else 1.0,
-        trace=trace,
-    )
+    with optimizer.gradient_sync(executor.defers_weight_grads):
+        losses = executor.run(
+            batch.reader(data),
+            sample_ids=batch.sample_ids,
+            loss_scale=scaler.scale if scaler is not None else 1.0,
+            trace=trace,
+        )
     computed = time.perf_counter()
     mean_loss = start_global_mean_loss(losses, state)
     for buffer in optimizer.buffers:
