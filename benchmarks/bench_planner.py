@@ -35,6 +35,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import math
 import os
 import platform
 import re
@@ -104,6 +105,20 @@ def measure_bandwidth_gbps(nbytes: int = 16 * 1024 * 1024, repeats: int = 5) -> 
     per_rank = run_distributed(_all_reduce_times, 2, nbytes, repeats, False)
     seconds = max(min(times) for times in per_rank)
     return 2 * (2 - 1) / 2 * nbytes / seconds / 1e9
+
+
+def measure_memory_gbps(nbytes: int = 64 * 1024 * 1024, repeats: int = 5) -> float:
+    """This CPU's copy bandwidth, one thread: bytes read + written by a `copy_` of `nbytes`
+    (what FSDP2's buffer copies cost; `Cluster.memory_gbps`)."""
+    torch.set_num_threads(1)
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * nbytes / best / 1e9
 
 
 def measure_latency_us(nbytes: int, gbps: float, repeats: int = 40) -> float:
@@ -184,10 +199,13 @@ def cpu_validation() -> dict:
     activation = CPU_MODEL["seq"] * MICRO_BATCH * CPU_MODEL["hidden"] * 4  # fp32 s b h
     latency = measure_latency_us(activation, bandwidth)
     knobs = TimeKnobs(half_precision=False)
+    memory_gbps = measure_memory_gbps()
     cluster = Cluster("CPU (measured)", gpus_per_node=4, nodes=1, memory_bytes=8 * GIB,
+                      memory_gbps=memory_gbps,
                       peak_tflops=peak, intra_node_gbps=bandwidth, inter_node_gbps=bandwidth,
                       matmul_efficiency=1.0, collective_latency_us=latency)  # fmt: skip
-    print(f"CPU preset: matmul {peak * 1e3:.1f} GFLOP/s (1 thread), gloo all-reduce "
+    print(f"CPU preset: matmul {peak * 1e3:.1f} GFLOP/s (1 thread), copies {memory_gbps:.1f} "
+          "GB/s (read + write), gloo all-reduce "
           f"{bandwidth:.2f} GB/s, {latency:.0f} us per collective (an activation's all-reduce "
           "after compute, less its bytes)", flush=True)  # fmt: skip
     model, tiny = model_config(CPU_MODEL), model_config(BASELINE_MODEL)
@@ -250,7 +268,8 @@ def cpu_validation() -> dict:
     load = (load_before, os.getloadavg()[0])
     print(f"load average (1 min) before / after: {load[0]:.1f} / {load[1]:.1f} on "
           f"{os.cpu_count()} cores")  # fmt: skip
-    return {"peak_tflops": peak, "allreduce_gbps": bandwidth, "baseline_mib": baseline,
+    return {"peak_tflops": peak, "allreduce_gbps": bandwidth, "memory_gbps": memory_gbps,
+            "baseline_mib": baseline,
             "collective_latency_us": latency,
             "load_average": load,
             "matmul_efficiency": efficiency, "model": CPU_MODEL, "micro_batch": MICRO_BATCH,

@@ -262,9 +262,9 @@ FLAG_CASES: list[tuple[Bad, dict, list[str], int]] = [
     (B("--num-distributed-optimizer-instances 0", "--num-distributed-optimizer-instances must "
        "be >= 1, got 0", "use 1, or the number of groups to shard inside"),
      {"num_distributed_optimizer_instances": 0}, [], 1),
-    (B("hybrid sharding without sharded gradients", "hybrid sharding runs with sharded "
-       "gradients", "add --use-torch-fsdp2 (or --use-megatron-fsdp with optim_grads)"),
-     {"num_distributed_optimizer_instances": 2, "use_distributed_optimizer": True}, [], 4),
+    (B("hybrid sharding that shards nothing", "hybrid sharding needs a sharded strategy",
+       "add --use-distributed-optimizer or --use-torch-fsdp2"),
+     {"num_distributed_optimizer_instances": 2}, [], 4),
     (B("--outer-dp-sharding-strategy optim", "--outer-dp-sharding-strategy optim: megapipe "
        "replicates across", "use no_shard (the default)"),
      {"outer_dp_sharding_strategy": "optim", "use_torch_fsdp2": True,

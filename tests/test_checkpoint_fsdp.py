@@ -38,15 +38,17 @@ def test_zero3_resumes_exactly(tmp_path: Path) -> None:
 
 
 def test_strategies_hand_a_checkpoint_on(tmp_path: Path) -> None:
-    """ZeRO-3 at DP4 -> ZeRO-1 at DP2 -> one rank, and back up to ZeRO-2 hybrid at DP4: each
-    continues with the uninterrupted run's losses and grad norms."""
+    """ZeRO-3 at DP4 -> ZeRO-1 at DP2 -> one rank -> hybrid ZeRO-1 (2 x 2) -> hybrid ZeRO-2
+    (2 x 2): each continues with the uninterrupted run's losses and grad norms."""
     whole, _ = run(1, FLAGS + ["--train-iters", "8"])
-    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    a, b, c, d = tmp_path / "a", tmp_path / "b", tmp_path / "c", tmp_path / "d"
+    hybrid = ["--num-distributed-optimizer-instances", "2"]
     stages = [
         (4, ZERO3, None, a, 2),
         (2, ZERO1, a, b, 4),
         (1, [], b, c, 6),
-        (4, ZERO2 + ["--num-distributed-optimizer-instances", "2"], c, None, None),
+        (4, ZERO1 + hybrid, c, d, 7),
+        (4, ZERO2 + hybrid, d, None, None),
     ]
     numbers = []
     for world, strategy, load, save, stop in stages:

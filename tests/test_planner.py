@@ -217,6 +217,26 @@ def test_sharded_data_parallel_bytes_by_hand() -> None:
     assert bubble3 > bubble1
 
 
+def test_fsdp_buffer_copies_by_hand() -> None:
+    """With the device's memory bandwidth given, ZeRO-3 also pays FSDP2's copies per
+    micro-batch (two gathers' shard in and whole out in bf16, the fp32 reduce-scatter's whole in
+    and shard out, each byte read and written), which no overlap hides."""
+    layout = Layout(tp=1, pp=1, dp=4, micro_batch=1, sharding="optim_grads_params")
+    cluster = dataclasses.replace(SMALL, nodes=1)
+    params = layout_memory(MODEL, layout, 32).parameters
+    copies = 2 * (2 * params * 2 * (1 + 1 / 4) + params * 4 * (1 + 1 / 4)) / 50e9
+    plain = step_time(MODEL, layout, cluster, 32)
+    copied = step_time(MODEL, layout, dataclasses.replace(cluster, memory_gbps=50.0), 32)
+    assert copied.dp_comm - plain.dp_comm == pytest.approx(8 * copies)
+    hidden = TimeKnobs(dp_overlap=1.0, param_gather_overlap=1.0)
+    slow = dataclasses.replace(cluster, peak_tflops=0.01)  # compute could hide everything
+    no_copies = step_time(MODEL, layout, slow, 32, hidden)
+    with_copies = step_time(MODEL, layout, dataclasses.replace(slow, memory_gbps=50.0), 32, hidden)
+    assert no_copies.dp_comm == pytest.approx(0.0)
+    assert with_copies.dp_comm == pytest.approx(8 * copies)
+    assert SMALL.memory_gbps is None  # the other by-hand cases leave the copies out
+
+
 def _verdict(result) -> str:
     return next(line for line in format_plan(result).splitlines() if "sharded DP vs" in line)
 

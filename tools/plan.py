@@ -102,6 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=_non_negative_float,
         help="Fixed cost of each collective and pipeline send, in us.",
     )
+    cluster.add_argument(
+        "--memory-gbps",
+        type=_positive_float,
+        help="Device memory bandwidth, GB/s (read + write): FSDP2's buffer copies (ZeRO-2/3).",
+    )
 
     search = parser.add_argument_group("search and assumptions")
     search.add_argument("--micro-batch-sizes", type=_int_list, default=(1, 2, 4, 8))
@@ -227,6 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ("inter_node_gbps", args.inter_node_gbps),
         ("matmul_efficiency", args.matmul_efficiency),
         ("collective_latency_us", args.collective_latency_us),
+        ("memory_gbps", args.memory_gbps),
     ):
         if value is not None:
             changes[field] = value

@@ -12,7 +12,9 @@ Two spellings reach the same implementation (`OptimizerConfig.sharding`):
 `no_shard` and `optim` are megapipe's own bucketed DDP and distributed optimizer; the two
 others run on torch's FSDP2 (distributed/fsdp.py). Hybrid sharding is
 --num-distributed-optimizer-instances N with --outer-dp-sharding-strategy no_shard: shard
-inside N groups of consecutive data-parallel ranks, replicate across them.
+inside N groups of consecutive data-parallel ranks, replicate across them (with `optim`,
+Megatron-LM's partial distributed optimizer: the gradient buckets are reduce-scattered inside
+the instance and the shards all-reduced across instances).
 """
 
 from __future__ import annotations
@@ -106,12 +108,12 @@ def resolve_sharding(args: argparse.Namespace) -> None:
     instances = args.num_distributed_optimizer_instances
     if instances < 1:
         raise ConfigError(f"--num-distributed-optimizer-instances must be >= 1, got {instances}")
-    if instances > 1 and strategy not in ("optim_grads", "optim_grads_params"):
+    if instances > 1 and strategy == "no_shard":
         raise ConfigError(
-            f"--num-distributed-optimizer-instances {instances}: hybrid sharding runs with "
-            f"sharded gradients (--use-torch-fsdp2, or --use-megatron-fsdp "
-            f"--data-parallel-sharding-strategy optim_grads|optim_grads_params); this run's "
-            f"strategy is {strategy}"
+            f"--num-distributed-optimizer-instances {instances}: hybrid sharding needs a "
+            "sharded strategy (--use-distributed-optimizer, --use-torch-fsdp2, or "
+            "--use-megatron-fsdp --data-parallel-sharding-strategy optim|optim_grads|"
+            "optim_grads_params); this run shards nothing"
         )
     if args.outer_dp_sharding_strategy != "no_shard":
         raise ConfigError(

@@ -73,8 +73,8 @@ def describe_sharding(config: OptimizerConfig, state: ParallelState) -> str | No
             f" (hybrid: {state.dp_outer.size} groups of {state.dp_inner.size}, sharded inside "
             "each and replicated across)"
         )
-    if config.fsdp and not uses_fsdp(config, state):
-        line += "; a shard group of one rank: plain data parallelism"
+    if shard_group_size(state) == 1:
+        line += "; shard groups of one rank: plain data parallelism"
     return line
 
 

@@ -15,7 +15,9 @@ weight gradient is still queued, raises instead of losing a contribution.
 
 Synchronisation per bucket, over the data-parallel group, pre-scaled by 1/DP (an average):
 * plain data parallelism: all-reduce; every rank then holds the whole averaged gradient;
-* distributed optimizer (ZeRO-1): reduce-scatter; each rank holds its 1/DP shard of every bucket
+* distributed optimizer (ZeRO-1): reduce-scatter (with hybrid sharding, inside this rank's
+  instance, then an all-reduce of the shard over the other instances); each rank holds its
+  1/DP shard of every bucket
   (buckets are padded to a multiple of DP x SHARD_ALIGNMENT elements, so that every shard of
   every bucket starts at a multiple of SHARD_ALIGNMENT, for any DP size: 3, 6 and 12 as well
   as powers of two), steps only that shard, and the parameters are
@@ -83,8 +85,14 @@ class GradBuffer:
         shard: bool = False,
         solo: list[torch.nn.Parameter] | None = None,
         activity: Activity | None = None,
+        replicas: Group | None = None,
     ) -> None:
+        """`replicas`: hybrid sharding (--num-distributed-optimizer-instances with the
+        distributed optimizer): `dp` is this rank's instance, the shards are all-reduced over
+        `replicas` (the same shard in every other instance) after the reduce-scatter."""
         self.dp = dp
+        self.replicas = replicas if replicas is not None and replicas.size > 1 else None
+        self.average_over = dp.size * (self.replicas.size if self.replicas else 1)
         self.activity = activity or Activity()  # what this rank waits in (watchdog, faults)
         self.num_microbatches = num_microbatches
         self.overlap = overlap
@@ -215,10 +223,10 @@ class GradBuffer:
     def _start(self, bucket: Bucket) -> None:
         bucket.started = True
         self.started_before_finish += not self._finishing
-        if self.dp.size == 1:
+        if self.average_over == 1:
             return
         data = self.grad_data[bucket.start : bucket.end]
-        data.div_(self.dp.size)
+        data.div_(self.average_over)
         if self.shard:
             bucket.scattered = torch.empty_like(data[: data.numel() // self.dp.size])
             bucket.work = reduce_scatter_single(
@@ -245,6 +253,10 @@ class GradBuffer:
                 self.activity.enter("grad-reduce", what, kind, index, list(self.dp.ranks))
                 bucket.work.wait()
                 bucket.work = None
+            if bucket.scattered is not None and self.replicas is not None:
+                what = "all-reduce of gradient bucket {}'s shard over its replicas (ranks {})"
+                self.activity.enter("grad-reduce", what, index, list(self.replicas.ranks))
+                dist.all_reduce(bucket.scattered, group=self.replicas.pg)
             if bucket.scattered is not None:
                 lo, hi = bucket.shard_range(self.dp)
                 self.grad_data[lo:hi].copy_(bucket.scattered)

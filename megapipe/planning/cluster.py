@@ -46,6 +46,9 @@ class Cluster:
     inter_node_gbps: float  # per GPU, per direction (InfiniBand)
     matmul_efficiency: float = GPU_MATMUL_EFFICIENCY
     collective_latency_us: float = NCCL_LATENCY_US  # fixed cost of each collective or send
+    # Device memory bandwidth (GB/s): what FSDP2's copies into and out of its flat collective
+    # buffers cost (ZeRO-2/3); None leaves them out
+    memory_gbps: float | None = None
 
     @property
     def world_size(self) -> int:
@@ -65,7 +68,9 @@ class Cluster:
         )
 
 
-def _dgx(name: str, device: str, nvlink_bidirectional: float, ib_gbit: float) -> Cluster:
+def _dgx(
+    name: str, device: str, nvlink_bidirectional: float, ib_gbit: float, hbm_gbps: float
+) -> Cluster:
     return Cluster(
         name=name,
         gpus_per_node=8,
@@ -74,12 +79,15 @@ def _dgx(name: str, device: str, nvlink_bidirectional: float, ib_gbit: float) ->
         peak_tflops=device_peak_tflops(device, torch.bfloat16),
         intra_node_gbps=nvlink_bidirectional / 2,
         inter_node_gbps=ib_gbit / 8,
+        memory_gbps=hbm_gbps,
     )
 
 
 PRESETS: dict[str, Cluster] = {
-    # 8x A100-80GB SXM, 312 TFLOP/s bf16, NVLink 600 GB/s, 8x 200 Gb/s HDR InfiniBand
-    "dgx-a100": _dgx("DGX A100", "NVIDIA A100-SXM4-80GB", 600.0, 200.0),
-    # 8x H100-80GB SXM, 989.4 TFLOP/s bf16, NVLink 900 GB/s, 8x 400 Gb/s NDR InfiniBand
-    "dgx-h100": _dgx("DGX H100", "NVIDIA H100 80GB HBM3", 900.0, 400.0),
+    # 8x A100-80GB SXM, 312 TFLOP/s bf16, NVLink 600 GB/s, 8x 200 Gb/s HDR InfiniBand, HBM2e
+    # 2,039 GB/s (data sheets)
+    "dgx-a100": _dgx("DGX A100", "NVIDIA A100-SXM4-80GB", 600.0, 200.0, 2039.0),
+    # 8x H100-80GB SXM, 989.4 TFLOP/s bf16, NVLink 900 GB/s, 8x 400 Gb/s NDR InfiniBand, HBM3
+    # 3,350 GB/s (data sheets)
+    "dgx-h100": _dgx("DGX H100", "NVIDIA H100 80GB HBM3", 900.0, 400.0, 3350.0),
 }

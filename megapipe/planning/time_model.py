@@ -40,6 +40,11 @@ Assumptions (stated, each a knob or a line here):
   chunk holding the embedding or the output layer) is one collective. ZeRO-2 under a pipeline
   gathers less when a layer's next forward comes before its backward (parameters still
   gathered): m gathers is an upper bound there.
+  FSDP2 also copies around each collective (`fsdp_copy_seconds`): an all-gather's shard into
+  its flat buffer and the gathered buffer out to the parameters, a reduce-scatter's gradients
+  in and the shard out; each byte read and written once at the cluster's `memory_gbps` (left
+  out when it is None). On GPUs this is small against the transfers; on a CPU it is a large
+  part of ZeRO-3's cost (benchmarks/RESULTS.md, issue 23).
   Overlap: `dp_overlap` of the gradient reductions (no_shard and ZeRO-1: the whole once-per-
   step term, as before) hides behind the backward (0 by default: off unless
   --overlap-grad-reduce); `param_gather_overlap` of ZeRO-2/3's all-gathers hides behind the
@@ -181,6 +186,19 @@ def ring_shard_seconds(nbytes: float, ranks: int, gbps: float) -> float:
     return (ranks - 1) / ranks * nbytes / (gbps * GB) if ranks > 1 else 0.0
 
 
+def fsdp_copy_seconds(
+    params: int, d: int, gathers: int, dtype_bytes: int, memory_gbps: float | None
+) -> float:
+    """FSDP2's copies per micro-batch for `params` parameters sharded over `d` ranks:
+    `gathers` all-gathers (copy-in of the shard, copy-out of the whole, in the training dtype)
+    and one reduce-scatter (copy-in of the whole fp32 gradient, copy-out of the shard), each
+    byte read and written once."""
+    if memory_gbps is None or d == 1:
+        return 0.0
+    moved = gathers * params * dtype_bytes * (1 + 1 / d) + params * 4 * (1 + 1 / d)
+    return 2 * moved / (memory_gbps * GB)
+
+
 def data_parallel_seconds(
     layout: Layout,
     cluster: Cluster,
@@ -200,11 +218,12 @@ def data_parallel_seconds(
         gathers = 2 if layout.sharding == "optim_grads_params" else 1
         gather = gathers * (ring_shard_seconds(params * g, d, gbps) + groups * latency)
         reduce = ring_shard_seconds(params * 4, d, gbps) + groups * latency
+        copies = fsdp_copy_seconds(params, d, gathers, g, cluster.memory_gbps)  # never hidden
         hidden = gather * knobs.param_gather_overlap + reduce * knobs.dp_overlap
         hidden = min(hidden, compute_per_microbatch)
         exposed_gather = gather * (1 - knobs.param_gather_overlap)
         return DataParallelTime(
-            per_microbatch=gather + reduce - hidden,
+            per_microbatch=gather + reduce - hidden + copies,
             gather_per_microbatch=min(exposed_gather, gather + reduce - hidden),
         )
     buckets = -(-params // DEFAULT_BUCKET_SIZE)

@@ -225,20 +225,30 @@ def build_optimizer(
         modules = shard_chunks(chunks, layers, state, opt)
         return FSDPOptimizer(chunks, modules, state, opt, configs.training.lr, scaler)
     num_microbatches = configs.training.num_microbatches(state.dp.size)
+    group, replicas = state.dp, None  # hybrid: shard inside the instance, all-reduce across
+    shard = opt.use_distributed_optimizer
+    if shard and state.dp_inner is not None:
+        group, replicas = state.dp_inner, state.dp_outer
+        if group.size == 1:  # instances of one rank: nothing to shard, plain all-reduce
+            group, replicas, shard = state.dp, None, False
     buffers = [
         GradBuffer(
             list(chunk.parameters()),
-            state.dp,
+            group,
             num_microbatches=num_microbatches,
             bucket_size=opt.ddp_bucket_size,
             overlap=opt.overlap_grad_reduce,
-            shard=opt.use_distributed_optimizer,
-            solo=_solo_tied_embedding(chunk, state, opt.use_distributed_optimizer),
+            shard=shard,
+            solo=_solo_tied_embedding(chunk, state, shard),
             activity=activity,
+            replicas=replicas,
         )
         for chunk in chunks
     ]
-    return ShardedOptimizer(buffers, state, opt, configs.training.lr, scaler)
+    optimizer = ShardedOptimizer(buffers, state, opt, configs.training.lr, scaler)
+    if replicas is not None:
+        optimizer.norm_replicas = replicas.size
+    return optimizer
 
 
 def _solo_tied_embedding(chunk: GPTModel, state: ParallelState, sharded: bool) -> list:
