@@ -107,6 +107,41 @@ def measure_bandwidth_gbps(nbytes: int = 16 * 1024 * 1024, repeats: int = 5) -> 
     return 2 * (2 - 1) / 2 * nbytes / seconds / 1e9
 
 
+def _collective_times(rank: int, world: int, nbytes: int, repeats: int) -> dict[str, float]:
+    """The fastest of `repeats` all-reduces, all-gathers and reduce-scatters of `nbytes`."""
+    import torch.distributed as dist
+
+    from megapipe.parallel.mappings import all_gather_single, reduce_scatter_single
+
+    torch.set_num_threads(1)
+    full, shard = torch.ones(nbytes // 4), torch.ones(nbytes // 4 // world)
+    ops = {
+        "all_reduce": lambda: dist.all_reduce(full),
+        "all_gather": lambda: all_gather_single(full, shard, group=None),
+        "reduce_scatter": lambda: reduce_scatter_single(shard, full, group=None),
+    }
+    best = {}
+    for name, op in ops.items():
+        op()
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            start = time.perf_counter()
+            op()
+            times.append(time.perf_counter() - start)
+        best[name] = min(times)
+    return best
+
+
+def measure_shard_efficiency(nbytes: int = 16 * 1024 * 1024, repeats: int = 5) -> float:
+    """How much of an all-reduce's ring bandwidth gloo's all-gather and reduce-scatter reach
+    (the ring moves half the bytes of an all-reduce in each; 1.0 = as fast per byte)."""
+    per_rank = run_distributed(_collective_times, 2, nbytes, repeats)
+    worst = {k: max(r[k] for r in per_rank) for k in per_rank[0]}
+    shard = (worst["all_gather"] + worst["reduce_scatter"]) / 2
+    return min(1.0, (worst["all_reduce"] / 2) / shard)
+
+
 def measure_memory_gbps(nbytes: int = 64 * 1024 * 1024, repeats: int = 5) -> float:
     """This CPU's copy bandwidth, one thread: bytes read + written by a `copy_` of `nbytes`
     (what FSDP2's buffer copies cost; `Cluster.memory_gbps`)."""
@@ -199,13 +234,14 @@ def cpu_validation() -> dict:
     activation = CPU_MODEL["seq"] * MICRO_BATCH * CPU_MODEL["hidden"] * 4  # fp32 s b h
     latency = measure_latency_us(activation, bandwidth)
     knobs = TimeKnobs(half_precision=False)
-    memory_gbps = measure_memory_gbps()
+    memory_gbps, shard_efficiency = measure_memory_gbps(), measure_shard_efficiency()
     cluster = Cluster("CPU (measured)", gpus_per_node=4, nodes=1, memory_bytes=8 * GIB,
-                      memory_gbps=memory_gbps,
+                      memory_gbps=memory_gbps, shard_collective_efficiency=shard_efficiency,
                       peak_tflops=peak, intra_node_gbps=bandwidth, inter_node_gbps=bandwidth,
                       matmul_efficiency=1.0, collective_latency_us=latency)  # fmt: skip
     print(f"CPU preset: matmul {peak * 1e3:.1f} GFLOP/s (1 thread), copies {memory_gbps:.1f} "
-          "GB/s (read + write), gloo all-reduce "
+          f"GB/s (read + write), reduce-scatter/all-gather at {shard_efficiency:.0%} of the "
+          "all-reduce's ring bandwidth, gloo all-reduce "
           f"{bandwidth:.2f} GB/s, {latency:.0f} us per collective (an activation's all-reduce "
           "after compute, less its bytes)", flush=True)  # fmt: skip
     model, tiny = model_config(CPU_MODEL), model_config(BASELINE_MODEL)
@@ -269,6 +305,7 @@ def cpu_validation() -> dict:
     print(f"load average (1 min) before / after: {load[0]:.1f} / {load[1]:.1f} on "
           f"{os.cpu_count()} cores")  # fmt: skip
     return {"peak_tflops": peak, "allreduce_gbps": bandwidth, "memory_gbps": memory_gbps,
+            "shard_collective_efficiency": shard_efficiency,
             "baseline_mib": baseline,
             "collective_latency_us": latency,
             "load_average": load,

@@ -237,6 +237,26 @@ def test_fsdp_buffer_copies_by_hand() -> None:
     assert SMALL.memory_gbps is None  # the other by-hand cases leave the copies out
 
 
+def test_slow_sharded_collectives_by_hand() -> None:
+    """A cluster whose reduce-scatters and all-gathers reach half the ring bandwidth (gloo's
+    reach about 0.4) doubles their bytes' time, not their latency; all-reduces are unchanged."""
+    layout = Layout(tp=1, pp=1, dp=4, micro_batch=1, sharding="optim_grads_params")
+    cluster = dataclasses.replace(SMALL, nodes=1)
+    params = layout_memory(MODEL, layout, 32).parameters
+    transfer = 8 * 3 / 4 * params * (2 * 2 + 4) / 100e9  # 8 micro-batches, 2 gathers + 1 RS
+    full = step_time(MODEL, layout, cluster, 32)
+    half = step_time(MODEL, layout, dataclasses.replace(cluster, shard_collective_efficiency=0.5),
+                     32)  # fmt: skip
+    assert half.dp_comm - full.dp_comm == pytest.approx(transfer)
+    plain = dataclasses.replace(layout, sharding="no_shard")
+    assert (
+        step_time(MODEL, plain, cluster, 32).dp_comm
+        == step_time(
+            MODEL, plain, dataclasses.replace(cluster, shard_collective_efficiency=0.5), 32
+        ).dp_comm
+    )
+
+
 def _verdict(result) -> str:
     return next(line for line in format_plan(result).splitlines() if "sharded DP vs" in line)
 

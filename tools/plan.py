@@ -107,6 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_float,
         help="Device memory bandwidth, GB/s (read + write): FSDP2's buffer copies (ZeRO-2/3).",
     )
+    cluster.add_argument(
+        "--shard-collective-efficiency",
+        type=_fraction,
+        help="Fraction of the ring bandwidth reduce-scatters and all-gathers reach (1 on NCCL).",
+    )
 
     search = parser.add_argument_group("search and assumptions")
     search.add_argument("--micro-batch-sizes", type=_int_list, default=(1, 2, 4, 8))
@@ -233,6 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ("matmul_efficiency", args.matmul_efficiency),
         ("collective_latency_us", args.collective_latency_us),
         ("memory_gbps", args.memory_gbps),
+        ("shard_collective_efficiency", args.shard_collective_efficiency),
     ):
         if value is not None:
             changes[field] = value

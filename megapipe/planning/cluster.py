@@ -49,6 +49,10 @@ class Cluster:
     # Device memory bandwidth (GB/s): what FSDP2's copies into and out of its flat collective
     # buffers cost (ZeRO-2/3); None leaves them out
     memory_gbps: float | None = None
+    # The fraction of the ring bandwidth a reduce-scatter or all-gather achieves against an
+    # all-reduce's (ZeRO-1/2/3's collectives): 1 on NCCL; gloo's CPU collectives reach about a
+    # third (benchmarks/bench_planner.py measures it)
+    shard_collective_efficiency: float = 1.0
 
     @property
     def world_size(self) -> int:

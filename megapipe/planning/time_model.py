@@ -45,6 +45,8 @@ Assumptions (stated, each a knob or a line here):
   in and the shard out; each byte read and written once at the cluster's `memory_gbps` (left
   out when it is None). On GPUs this is small against the transfers; on a CPU it is a large
   part of ZeRO-3's cost (benchmarks/RESULTS.md, issue 23).
+  Reduce-scatters and all-gathers run at the cluster's `shard_collective_efficiency` of that
+  bandwidth (1 on NCCL; gloo's reach about a third of its all-reduce's, measured).
   Overlap: `dp_overlap` of the gradient reductions (no_shard and ZeRO-1: the whole once-per-
   step term, as before) hides behind the backward (0 by default: off unless
   --overlap-grad-reduce); `param_gather_overlap` of ZeRO-2/3's all-gathers hides behind the
@@ -213,11 +215,12 @@ def data_parallel_seconds(
     if d == 1:
         return DataParallelTime()
     gbps = dp_bandwidth(cluster, layout)
+    shard_gbps = gbps * cluster.shard_collective_efficiency  # reduce-scatters, all-gathers
     latency = cluster.collective_latency_us * 1e-6
     if layout.fsdp:
         gathers = 2 if layout.sharding == "optim_grads_params" else 1
-        gather = gathers * (ring_shard_seconds(params * g, d, gbps) + groups * latency)
-        reduce = ring_shard_seconds(params * 4, d, gbps) + groups * latency
+        gather = gathers * (ring_shard_seconds(params * g, d, shard_gbps) + groups * latency)
+        reduce = ring_shard_seconds(params * 4, d, shard_gbps) + groups * latency
         copies = fsdp_copy_seconds(params, d, gathers, g, cluster.memory_gbps)  # never hidden
         hidden = gather * knobs.param_gather_overlap + reduce * knobs.dp_overlap
         hidden = min(hidden, compute_per_microbatch)
@@ -228,8 +231,8 @@ def data_parallel_seconds(
         )
     buckets = -(-params // DEFAULT_BUCKET_SIZE)
     if layout.distributed_optimizer:  # a reduce-scatter and an all-gather per bucket
-        gather = ring_shard_seconds(params * g, d, gbps) + buckets * latency
-        reduce = ring_shard_seconds(params * 4, d, gbps) + buckets * latency
+        gather = ring_shard_seconds(params * g, d, shard_gbps) + buckets * latency
+        reduce = ring_shard_seconds(params * 4, d, shard_gbps) + buckets * latency
     else:
         gather, reduce = 0.0, ring_all_reduce_seconds(params * 4, d, gbps) + buckets * latency
     keep = 1 - knobs.dp_overlap
