@@ -82,14 +82,14 @@ def stage_parameters(config: ModelConfig, layers: int, first: bool, last: bool, 
     return count
 
 
-def shard_group_size(optimizer: OptimizerConfig, dp: int) -> int:
+def sharded_over(optimizer: OptimizerConfig, dp: int) -> int:
     """Ranks one parameter's state is sharded over: DP, or DP / N with hybrid sharding."""
     return max(1, dp // max(1, optimizer.num_distributed_optimizer_instances))
 
 
 def fsdp_shards(optimizer: OptimizerConfig, dp: int) -> bool:
     """Whether FSDP2 shards this run (ZeRO-2/3 over more than one rank; else the plain path)."""
-    return optimizer.fsdp and shard_group_size(optimizer, dp) > 1
+    return optimizer.fsdp and sharded_over(optimizer, dp) > 1
 
 
 def training_dtype_bytes(optimizer: OptimizerConfig) -> int:
@@ -100,7 +100,7 @@ def bytes_per_parameter(optimizer: OptimizerConfig, dp: int) -> tuple[float, flo
     """(parameter, gradient, optimizer-state) bytes per parameter on one rank at rest (between
     steps, gradients still held), by `optimizer.sharding` (the module docstring's table). The
     optimizer state includes the fp32 master copy where there is a separate one."""
-    d = shard_group_size(optimizer, dp)
+    d = sharded_over(optimizer, dp)
     param = training_dtype_bytes(optimizer)
     states = 2 if optimizer.optimizer == "adam" else (1 if optimizer.sgd_momentum else 0)
     if fsdp_shards(optimizer, dp):  # fp32 shards are the masters; fp32 sharded gradients

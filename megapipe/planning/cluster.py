@@ -50,8 +50,8 @@ class Cluster:
     # buffers cost (ZeRO-2/3); None leaves them out
     memory_gbps: float | None = None
     # The fraction of the ring bandwidth a reduce-scatter or all-gather achieves against an
-    # all-reduce's (ZeRO-1/2/3's collectives): 1 on NCCL; gloo's CPU collectives reach about a
-    # third (benchmarks/bench_planner.py measures it)
+    # all-reduce's (ZeRO-1/2/3's collectives): 1 assumed on NCCL (not measured here); gloo's
+    # reached 0.41-0.68 on this CPU (benchmarks/bench_planner.py measures it)
     shard_collective_efficiency: float = 1.0
 
     @property

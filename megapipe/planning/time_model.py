@@ -46,7 +46,7 @@ Assumptions (stated, each a knob or a line here):
   out when it is None). On GPUs this is small against the transfers; on a CPU it is a large
   part of ZeRO-3's cost (benchmarks/RESULTS.md, issue 23).
   Reduce-scatters and all-gathers run at the cluster's `shard_collective_efficiency` of that
-  bandwidth (1 on NCCL; gloo's reach about a third of its all-reduce's, measured).
+  bandwidth (1 assumed on NCCL; gloo's reached 0.41-0.68 of its all-reduce's, measured).
   Overlap: `dp_overlap` of the gradient reductions (no_shard and ZeRO-1: the whole once-per-
   step term, as before) hides behind the backward (0 by default: off unless
   --overlap-grad-reduce); `param_gather_overlap` of ZeRO-2/3's all-gathers hides behind the
