@@ -20,6 +20,7 @@ class MegapipeError(Exception):
     the run (`run_cli`); each class keeps its builtin base too (`except ValueError` works)."""
 
     exit_status: int = 1
+    said: bool = False  # its line is on stderr already (a rank's last words): run_cli is silent
 
 
 class ConfigError(MegapipeError, ValueError):
@@ -81,7 +82,10 @@ def run_cli(
     try:
         return main(argv)
     except (MegapipeError, *also) as error:
-        say(error_line(prog, error, debug))
+        if not getattr(error, "said", False):
+            say(error_line(prog, error, debug))
+        elif debug:
+            traceback.print_exception(error, file=sys.stderr)
         if status is not None:
             return status
         return error.exit_status if isinstance(error, MegapipeError) else 1

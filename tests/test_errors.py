@@ -76,6 +76,22 @@ def test_run_cli_exits_with_the_class_status_and_one_line(error, status, capsys)
     assert capsys.readouterr().err == "tool.py: error: bad\n"
 
 
+def test_an_error_said_already_is_not_said_twice(capsys) -> None:
+    """A rank's last words go out where the failure is caught (before the cleanup that the
+    launcher's SIGTERM may cut short); run_cli then only sets the status."""
+
+    def main(argv: list[str]) -> int:
+        failure = RankFailure("rank 0 (...), iteration 4, step: in all-reduce: a peer failed")
+        failure.said = True
+        raise failure
+
+    assert run_cli("tool.py", main, []) == 1
+    assert capsys.readouterr().err == ""
+    assert run_cli("tool.py", main, ["--debug"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback") and "tool.py: error" not in err
+
+
 def test_run_cli_lets_other_errors_through_and_reports_ctrl_c(capsys) -> None:
     def broken(argv: list[str]) -> int:
         raise ValueError("a bug: the traceback is wanted")

@@ -14,7 +14,7 @@ from megapipe.activity import Activity, is_communication_failure
 from megapipe.checkpointing.checkpointer import Checkpointer
 from megapipe.checkpointing.run_state import Progress
 from megapipe.config import Configs
-from megapipe.console import print_line
+from megapipe.console import print_line, say
 from megapipe.model.activation_memory import SavedTensorPeak
 from megapipe.parallel.state import ParallelState
 from megapipe.pipeline.executor import PipelineExecutor
@@ -140,7 +140,12 @@ class TrainingLoop:
             self._loop()
         except RuntimeError as error:
             if is_communication_failure(error):  # a peer died or stalled: say where we were
-                raise self.activity.failure(error) from error
+                # at once: the launcher's SIGTERM, on its way since the peer died, would end
+                # the cleanup below without a word (the teardown report is closed there)
+                failure = self.activity.failure(error)
+                say(f"megapipe: {failure}")
+                failure.said = True
+                raise failure from error
             raise
         finally:
             self._close()
