@@ -44,8 +44,11 @@ setup(
             # the Triton kernels' tests run them on CPU in Triton's interpreter (tests only;
             # on GPU machines Triton comes with CUDA torch; Linux wheels only)
             "triton>=3.0; platform_system == 'Linux'",
+            "wandb>=0.17",  # --wandb-project's tests read an offline run back
         ],
         "hf": ["tokenizers>=0.15"],
+        # --wandb-project: the run's scalars to Weights & Biases (imported only when asked for)
+        "wandb": ["wandb>=0.17"],
         # benchmarks/bench_megatron_core.py: megapipe's step against Megatron-Core's (it says
         # so and exits 0 without it; its checkpoint writer is not used there, so no psutil)
         "bench": ["megatron-core==0.16.1"],

@@ -45,4 +45,9 @@ echo "why the last iteration shows two validation losses: one is the evaluation 
     "--eval-iters batches of the validation split (new samples, so a different number)"
 echo "view the TensorBoard logs with: tensorboard --logdir $RUN_DIR/tensorboard"
 echo "checkpoints in $RUN_DIR/checkpoints: continue with this script and" \
-    "--load $RUN_DIR/checkpoints --train-iters 1600 (at any layout, e.g. NPROC=4 ... --tensor-model-parallel-size 2)"
+    "--load $RUN_DIR/checkpoints --train-iters 1600 --use-checkpoint-opt_param-scheduler" \
+    "(at any layout, e.g. NPROC=4 ... --tensor-model-parallel-size 2). The longer run changes" \
+    "the LR schedule, so say which one to follow: --use-checkpoint-opt_param-scheduler keeps" \
+    "the saved one (past iteration 800 the LR stays at --min-lr), --override-opt_param-scheduler" \
+    "takes the new one (a cosine over 1600 iterations: the LR rises again); without either" \
+    "the run stops with one line naming both"

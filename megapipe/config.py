@@ -47,12 +47,18 @@ class ModelConfig:
     max_position_embeddings: int | None = None  # None: seq_length
     ffn_hidden_size: int | None = None  # None: 4h, or Megatron's 8h/3 rounding with SwiGLU
     num_query_groups: int | None = None  # None: multi-head attention (one group per head)
+    kv_channels: int | None = None  # the attention head dim; None: hidden_size / heads
+    qk_layernorm: bool = False  # a norm over each head of Q and K, before rotary
     position_embedding_type: str = "learned_absolute"
     rotary_base: int = 10000
+    rotary_percent: float = 1.0  # rope rotates the first int(head_dim x this) dims of a head
     normalization: str = "LayerNorm"
     layernorm_epsilon: float = 1e-5
     swiglu: bool = False
     openai_gelu: bool = False  # GPT-2's tanh-approximated GeLU instead of the exact erf one
+    squared_relu: bool = False  # MLP activation relu(x)^2 (not gated)
+    # The residual around attention (MLP) is the input (pre-MLP) norm's output, not its input.
+    apply_residual_connection_post_layernorm: bool = False
     untie_embeddings_and_output_weights: bool = False
     add_bias_linear: bool = True
     make_vocab_size_divisible_by: int = 128
@@ -73,7 +79,15 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
+        """--kv-channels, or hidden / heads without it (as Megatron-LM)."""
+        if self.kv_channels is not None:
+            return self.kv_channels
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """The leading dims of each head that rope rotates (Megatron's int(kv x percent))."""
+        return int(self.head_dim * self.rotary_percent)
 
     def padded_vocab_size(self, tensor_model_parallel_size: int) -> int:
         """Vocabulary padded to a multiple of make_vocab_size_divisible_by x TP, as Megatron."""
@@ -211,6 +225,10 @@ class TrainingConfig:
     lr_warmup_init: float = 0.0
     lr_wsd_decay_iters: float | None = None
     lr_wsd_decay_style: str = "exponential"
+    # --decoupled-lr: the word embedding's and output layer's own peak LR (same schedule
+    # shape), down to decoupled_min_lr (None: min_lr); None: they follow lr.
+    decoupled_lr: float | None = None
+    decoupled_min_lr: float | None = None
     eval_interval: int | None = 1000  # None: never evaluate during training
     eval_iters: int = 100  # global batches per evaluation; 0 disables evaluation
     skip_train: bool = False
@@ -227,7 +245,8 @@ class TrainingConfig:
 
 @dataclass(frozen=True)
 class LoggingConfig:
-    """Where and what to log beyond the stdout log line: throughput, TensorBoard."""
+    """Where and what to log beyond the stdout log line: throughput, TensorBoard, Weights &
+    Biases, and which iterations to profile."""
 
     log_throughput: bool = False
     device_peak_tflops: float | None = None  # None: known from the device name, if any
@@ -239,6 +258,18 @@ class LoggingConfig:
     log_learning_rate_to_tensorboard: bool = True
     log_loss_scale_to_tensorboard: bool = True
     log_batch_size_to_tensorboard: bool = False
+    log_params_norm: bool = False  # the L2 norm of all parameters, each element counted once
+    log_num_zeros_in_grad: bool = False  # zero elements of the fp32 main gradients
+    log_memory_to_tensorboard: bool = False
+    log_world_size_to_tensorboard: bool = False
+    profile: bool = False  # capture iterations [profile_step_start, profile_step_end)
+    use_pytorch_profiler: bool = False  # torch.profiler traces into tensorboard_dir, not nsys
+    profile_step_start: int = 10
+    profile_step_end: int = 12
+    profile_ranks: tuple[int, ...] = (0,)  # global ranks that profile
+    wandb_project: str | None = None  # Weights & Biases logging when set (the wandb package)
+    wandb_exp_name: str | None = None
+    wandb_save_dir: str | None = None  # None: <--save>/wandb, else wandb's default ./wandb
 
 
 @dataclass(frozen=True)
@@ -255,6 +286,10 @@ class CheckpointConfig:
     no_load_optim: bool = False
     no_load_rng: bool = False
     finetune: bool = False  # load the weights only; iteration and data restart at 0
+    # A resumed LR schedule that differs from the checkpoint's: the command line's
+    # (override) or the checkpoint's (use_checkpoint); neither: an error (Megatron's rule).
+    override_opt_param_scheduler: bool = False
+    use_checkpoint_opt_param_scheduler: bool = False
     exit_on_missing_checkpoint: bool = False
     async_save: bool = False  # write in a background thread; at most one save in flight
 

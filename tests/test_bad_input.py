@@ -79,6 +79,10 @@ def one_line(message: str) -> str:
 # 2 layers, hidden 64, 4 heads, seq 32, micro-batch 2, 10 iterations, mock data, vocabulary 256.
 
 ELSEWHERE_FLAGS = [
+    Bad("--wandb-project without the wandb package", "--wandb-project p needs the wandb "
+        "package: pip install wandb", "pip install wandb (or megapipe's [wandb] extra), or drop "
+        "--wandb-project", "tests/test_logging_flags.py::"
+        "test_wandb_project_without_the_package_says_pip_install"),
     Bad("hidden size not divisible by the heads",
         "--hidden-size (100) must be divisible by --num-attention-heads (3)",
         "choose --hidden-size a multiple of --num-attention-heads",
@@ -182,6 +186,12 @@ ELSEWHERE_FLAGS = [
         "GeLU (it uses SiLU)",
         "drop one: SwiGLU has no GeLU", "tests/test_arguments.py::"
         "test_openai_gelu_is_a_model_field_and_refused_with_swiglu", key="--openai-gelu"),
+    Bad("--apply-residual-connection-post-layernorm with TransformerEngine layers",
+        "--apply-residual-connection-post-layernorm with --transformer-impl transformer_engine: "
+        "TE fuses the norm into the QKV and fc1 linears", "use --transformer-impl local",
+        "tests/test_megatron_model_flags.py::"
+        "test_post_layernorm_residual_is_refused_with_transformer_engine",
+        key="--apply-residual-connection-post-layernorm with --transformer-impl"),
     Bad("--fp16 with --bf16", "--fp16 and --bf16 are mutually exclusive", "pick one precision",
         "tests/test_arguments.py::test_fp16_and_bf16_together", key="--fp16"),
     Bad("negative --clip-grad", "--clip-grad must be >= 0, got -1.0", "use 0 (off) or a "
@@ -229,6 +239,13 @@ ELSEWHERE_FLAGS = [
 B = Bad
 NULL_TOKENIZER = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "256"]
 FLAG_CASES: list[tuple[Bad, dict, list[str], int]] = [
+    (B("--use-checkpoint-args without --load", "needs --load (the checkpoint whose arguments "
+       "to use)", "add --load DIR (the checkpoint whose model flags to take)"),
+     {"use_checkpoint_args": True}, [], 1),
+    (B("--use-checkpoint-args with a --load that holds no checkpoint", "--use-checkpoint-args: "
+       "--load", "point --load at a directory with latest_checkpointed_iteration.txt (megapipe's "
+       "or Megatron-LM's)"),
+     {"use_checkpoint_args": True}, ["--load", "/nonexistent-megapipe-dir"], 1),
     (B("--spiky-loss-factor 0", "--spiky-loss-factor must be positive, got 0.0",
        "use a factor above 1 (a loss that many times the running average is a spike)"),
      {"spiky_loss_factor": 0}, [], 1),
@@ -501,6 +518,29 @@ FLAG_CASES: list[tuple[Bad, dict, list[str], int]] = [
     (B("rotary embeddings with an odd head size", "rotary embeddings need an even head dim, got "
        "--hidden-size/--num-attention-heads = 3", "make hidden size / heads even"),
      {"hidden_size": 12, "position_embedding_type": "rope"}, [], 1),
+    (B("--use-rotary-position-embeddings with learned positions",
+       "--use-rotary-position-embeddings contradicts --position-embedding-type learned_absolute",
+       "drop one: the older flag means --position-embedding-type rope"),
+     {"use_rotary_position_embeddings": True, "position_embedding_type": "learned_absolute"},
+     [], 1),
+    (B("--squared-relu with --swiglu", "--squared-relu with --swiglu: the MLP has one "
+       "activation", "pick one MLP activation"), {"squared_relu": True, "swiglu": True}, [], 1),
+    (B("--squared-relu with --openai-gelu", "--squared-relu with --openai-gelu: the MLP has "
+       "one activation", "pick one MLP activation"),
+     {"squared_relu": True, "openai_gelu": True}, [], 1),
+    (B("--kv-channels 0", "--kv-channels must be positive, got 0",
+       "use the head dimension (default hidden size / heads)"), {"kv_channels": 0}, [], 1),
+    (B("--rotary-percent outside (0, 1]", "--rotary-percent must be in (0, 1], got 1.5",
+       "use a fraction of the head dimension in (0, 1]"),
+     {"rotary_percent": 1.5, "position_embedding_type": "rope"}, [], 1),
+    (B("--rotary-percent without rotary embeddings", "--rotary-percent 0.5 needs rotary "
+       "embeddings (--position-embedding-type rope)",
+       "add --position-embedding-type rope, or drop --rotary-percent"),
+     {"rotary_percent": 0.5}, [], 1),
+    (B("--rotary-percent that rotates an odd number of dims", "rotary embeddings need an even, "
+       "positive number of rotated dims, got int(--kv-channels 10 x --rotary-percent 0.1) = 1",
+       "choose --rotary-percent so that kv-channels x percent is even"),
+     {"kv_channels": 10, "rotary_percent": 0.1, "position_embedding_type": "rope"}, [], 1),
     (B("a negative dropout", "--attention-dropout must be in [0, 1), got -0.1",
        "use a probability in [0, 1)"), {"attention_dropout": -0.1}, [], 1),
     (B("--pipeline-model-parallel-size 0", "--pipeline-model-parallel-size must be positive, "
@@ -511,6 +551,37 @@ FLAG_CASES: list[tuple[Bad, dict, list[str], int]] = [
        "use a positive interval"), {"tensorboard_log_interval": 0}, [], 1),
     (B("--tensorboard-queue-size 0", "--tensorboard-queue-size must be positive, got 0",
        "use a positive size"), {"tensorboard_queue_size": 0}, [], 1),
+    (B("both resumed-schedule options", "--override-opt_param-scheduler and "
+       "--use-checkpoint-opt_param-scheduler exclude each other",
+       "keep one: the command line's schedule (override) or the checkpoint's"),
+     {}, ["--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"], 1),
+    (B("a negative --decoupled-lr", "--decoupled-lr must not be negative, got -1.0",
+       "use a learning rate >= 0"), {"decoupled_lr": -1}, [], 1),
+    (B("a negative --decoupled-min-lr", "--decoupled-min-lr must not be negative, got -1.0",
+       "use a learning rate >= 0"), {"decoupled_lr": 1e-3, "decoupled_min_lr": -1}, [], 1),
+    (B("--decoupled-min-lr above --decoupled-lr", "--decoupled-min-lr (0.001) must not exceed "
+       "--decoupled-lr (0.0001)", "lower --decoupled-min-lr (it defaults to --min-lr)"),
+     {"decoupled_lr": 1e-4, "decoupled_min_lr": 1e-3}, [], 1),
+    (B("--lr-warmup-init above --decoupled-lr", "--lr-warmup-init (0.001) must not exceed "
+       "--decoupled-lr (0.0001)", "both schedules warm up from --lr-warmup-init: lower it"),
+     {"decoupled_lr": 1e-4, "lr_warmup_init": 1e-3}, [], 1),
+    (B("--profile --use-pytorch-profiler without --tensorboard-dir", "--profile with "
+       "--use-pytorch-profiler needs --tensorboard-dir (the trace is written there)",
+       "add --tensorboard-dir DIR (the trace opens in TensorBoard's profile plugin or "
+       "Perfetto)"), {"profile": True, "use_pytorch_profiler": True}, [], 1),
+    (B("a --profile-step-end not after --profile-step-start", "--profile-step-end (5) must be "
+       "greater than --profile-step-start (5)", "the profiled iterations are [start, end): "
+       "make the end larger"), {"profile": True, "profile_step_start": 5,
+                                "profile_step_end": 5}, [], 1),
+    (B("--profile-step-start 0", "--profile-step-start must be positive (iterations count "
+       "from 1), got 0", "start at iteration 1 or later"),
+     {"profile": True, "profile_step_start": 0}, [], 1),
+    (B("a --profile-ranks rank outside the world", "--profile-ranks 4: no such rank in a world "
+       "of 2 (ranks 0..1)", "list global ranks below the world size"),
+     {"profile": True, "profile_ranks": 4}, [], 2),
+    (B("--wandb-project without --wandb-exp-name", "--wandb-project p needs --wandb-exp-name "
+       "(the run's name in the project)", "add --wandb-exp-name NAME"),
+     {"wandb_project": "p"}, [], 1),
     (B("--device-peak-tflops 0", "--device-peak-tflops must be positive, got 0.0",
        "give the device's peak (e.g. 989 for an H100 in bf16)"),
      {"device_peak_tflops": 0}, [], 1),
@@ -859,6 +930,21 @@ ELSEWHERE_CHECKPOINTS = [
     Bad("a corrupt shard read by one rank of several", "(corrupted)", "every rank stops with "
         "the same line; load an earlier iteration", "tests/test_checkpoint_resume.py::"
         "test_a_corrupt_checkpoint_stops_every_rank_with_one_line"),
+    Bad("a resumed run whose LR schedule differs from the checkpoint's (e.g. another "
+        "--train-iters)", "the learning-rate schedule differs from the one checkpoint",
+        "add --use-checkpoint-opt_param-scheduler to continue the saved schedule, or "
+        "--override-opt_param-scheduler to follow the command line's (or restore the flags)",
+        "tests/test_lr_scheduler_rule.py::"
+        "test_a_changed_schedule_is_refused_then_overridden_or_continued",
+        key="add --override-opt_param-scheduler to follow the command line's"),
+    Bad("--use-checkpoint-opt_param-scheduler for a --decoupled-lr checkpoint without "
+        "--decoupled-lr", "gives the embedding and output layer --decoupled-lr",
+        "add --decoupled-lr (its value is taken from the checkpoint)",
+        "tests/test_lr_scheduler_rule.py::test_the_rule_picks_the_command_line_or_the_checkpoint"),
+    Bad("a checkpoint whose vocabulary tensors have fewer rows than the model's vocabulary",
+        "vocabulary rows, fewer than this model's vocabulary of", "use the tokenizer (or "
+        "--vocab-size) of the run that saved it", "tests/test_checkpoint_padding.py::"
+        "test_too_few_vocabulary_rows_are_refused_in_one_line"),
 ]  # fmt: skip
 
 
@@ -962,8 +1048,9 @@ TRACKER_CASES = [
     (B("a tracker file that is not a number", "--load: tracker file ", "write the iteration "
        "number into latest_checkpointed_iteration.txt (or delete it to start from scratch)"),
      "abc"),
-    (B("a Megatron 'release' tracker", "says 'release' (a Megatron release checkpoint)",
-       "convert the release checkpoint, or name its iteration directory"), "release"),
+    (B("a Megatron 'release' tracker without its release/ folder", "latest_checkpointed_"
+       "iteration.txt names release, but ", "copy the release/ folder beside the tracker, or "
+       "fix the tracker"), "release"),
     (B("a tracker that names an iteration that is not there", "latest_checkpointed_iteration.txt "
        "names iteration 5, but ", "the iteration directory was deleted or not copied: "
        "restore it, or fix the tracker"), "5"),
@@ -1142,6 +1229,7 @@ SITE_FILES = [
     "megapipe/training/lr_schedule.py", "megapipe/training/batch_size.py",
     "megapipe/pipeline/partition.py", "megapipe/pipeline/schedules.py",
     "megapipe/checkpointing/checkpointer.py", "megapipe/checkpointing/tracker.py",
+    "megapipe/checkpointing/scheduler_rule.py",
     "megapipe/data/splits.py", "megapipe/data/blending.py",
 ]  # fmt: skip
 # Sites no flag can reach (a check above them refuses first, or only a library caller can).

@@ -170,8 +170,8 @@ def test_load_errors_are_one_line(tmp_path: Path) -> None:
     with pytest.raises(DistributedTestError) as error:
         run(2, wider + ["--tensor-model-parallel-size", "2"])
     assert (
-        "tensor embedding.word_embeddings.weight has global shape (100, 32) in the checkpoint, "
-        "(100, 64) in this model" in str(error.value)
+        "tensor embedding.word_embeddings.weight has global shape (128, 32) in the checkpoint, "
+        "(128, 64) in this model" in str(error.value)
     )
 
 

@@ -75,7 +75,7 @@ def test_generation_works_from_any_directory(sp_model, tmp_path, monkeypatch, ca
     monkeypatch.chdir(launch)
     tokenizer = ["--tokenizer-type", SP, "--tokenizer-model", "tok.model"]  # relative, as users do
     run(1, [*MODEL, *NO_DROPOUT, "--mock-data", *tokenizer, "--train-iters", "2", "--save", "ckpt"])
-    saved = load_common(iteration_dir(str(launch / "ckpt"), 2))["args"]["tokenizer_model"]
+    saved = load_common(iteration_dir(str(launch / "ckpt"), 2))["megapipe_args"]["tokenizer_model"]
     assert saved == repr(str(launch / "tok.model"))
 
     monkeypatch.chdir(elsewhere)

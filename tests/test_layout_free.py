@@ -22,17 +22,21 @@ METAS = {
 }
 
 
-def reassemble(meta: ParamMeta, full: torch.Tensor, tp: int, cuts: int) -> torch.Tensor:
+def reassemble(
+    meta: ParamMeta, full: torch.Tensor, tp: int, cuts: int, real_rows_only: bool = False
+) -> torch.Tensor:
     """Scatter every TP rank's shard, cut into flat ranges, back into a logical tensor by the
     regions it reports; NaN marks what nothing covered."""
-    rows = meta.init_rows or meta.full_shape[0]
+    rows = (meta.init_rows if real_rows_only else None) or meta.full_shape[0]
     out = torch.full((rows, *meta.full_shape[1:]), float("nan"))
     for tp_rank in range(tp if meta.is_tensor_parallel else 1):  # replicas: saved by rank 0
         local = shard_of(full, meta, tp_rank, tp)
         flat = local.reshape(-1)
         bounds = sorted(random.Random(tp_rank).sample(range(1, flat.numel()), cuts))
         for lo, hi in zip([0, *bounds], [*bounds, flat.numel()]):
-            for region in regions(meta, tp_rank, tp, local.shape, lo, hi):
+            for region in regions(
+                meta, tp_rank, tp, local.shape, lo, hi, real_rows_only=real_rows_only
+            ):
                 numel = torch.Size(region.shape).numel()
                 piece = flat[region.flat_start : region.flat_start + numel].view(region.shape)
                 index = tuple(slice(o, o + s) for o, s in zip(region.offsets, region.shape))
@@ -44,11 +48,16 @@ def reassemble(meta: ParamMeta, full: torch.Tensor, tp: int, cuts: int) -> torch
 @pytest.mark.parametrize("kind", METAS)
 @pytest.mark.parametrize("tp", [1, 2, 4])
 @pytest.mark.parametrize("cuts", [0, 3])
-def test_shards_and_flat_ranges_cover_the_logical_tensor_once(kind: str, tp: int, cuts: int):
+@pytest.mark.parametrize("real_rows_only", [False, True], ids=["saving", "loading"])
+def test_shards_and_flat_ranges_cover_the_logical_tensor_once(
+    kind: str, tp: int, cuts: int, real_rows_only: bool
+):
     meta = METAS[kind]
     full = torch.randn(meta.full_shape)
-    expected = full[: meta.init_rows] if meta.init_rows else full  # padding is not saved
-    assert torch.equal(reassemble(meta, full, tp, cuts), expected)
+    expected = full  # saving: the padding rows too, as Megatron-LM's padded_vocab_size
+    if real_rows_only and meta.init_rows:
+        expected = full[: meta.init_rows]  # loading: the real rows only
+    assert torch.equal(reassemble(meta, full, tp, cuts, real_rows_only), expected)
 
 
 def test_names_are_megatron_cores_stacked_ones() -> None:

@@ -5,6 +5,7 @@ load with weights_only; another layout is refused with a pointer to the converte
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
@@ -53,7 +54,10 @@ def test_legacy_resume_is_exact(world, layout, files, tmp_path: Path) -> None:
     assert written == sorted(files)
     data = read_file(str(it3 / files[0]))
     assert data["checkpoint_version"] == 3.0 and data["iteration"] == 3
-    assert all(isinstance(v, str) for v in data["args"].values())
+    assert all(isinstance(v, str) for v in data["megapipe_args"].values())
+    args = data["args"]  # Megatron-LM's Namespace, typed
+    assert isinstance(args, argparse.Namespace) and args.num_layers == 4 and args.iteration == 3
+    assert args.padded_vocab_size == 128 * args.tensor_model_parallel_size
     chunks = [k for k in data if k.startswith("model")]
     assert chunks == (["model"] if world == 1 else ["model0", "model1"])
     names = set(data[chunks[0]])

@@ -20,6 +20,7 @@ from megapipe.checkpointing.shards import ShardedState, TensorShard
 from megapipe.checkpointing.torch_dist import (
     load_common,
     load_sharded,
+    read_metadata,
     save_sharded,
     sharded_keys,
     verify_checkpoint,
@@ -512,3 +513,32 @@ def _async(rank: int, world: int, save: str) -> list[bool]:
 
 def test_async_save_stages_a_copy_and_keeps_one_in_flight(tmp_path) -> None:
     assert run_distributed(_async, 2, str(tmp_path), timeout=60) == [[True] * 5] * 2
+
+
+def _save_bytes(rank: int, world: int, directory: str, same: bool) -> str:
+    """Each rank writes its rows of `a` and one byte entry (with `same`, both the same one)."""
+    name = "obj/shard_0_2" if same else f"obj/shard_{rank}_2"
+    try:
+        save_sharded(
+            directory, {"a": [rows("a", rank, world, full("a"))]}, {"iteration": 1},
+            group=dist.group.WORLD, coordinator=rank == 0, objects={name: b"rank%d" % rank},
+        )  # fmt: skip
+    except CheckpointError as e:
+        return str(e)
+    return ""
+
+
+def test_byte_entries_are_written_once_and_never_read(tmp_path) -> None:
+    directory = str(tmp_path / "bytes")
+    assert run_distributed(_save_bytes, 2, directory, False) == ["", ""]
+    metadata = read_metadata(directory)
+    assert sorted(k for k in metadata.state_dict_metadata if k.startswith("obj/")) == [
+        "obj/shard_0_2", "obj/shard_1_2",
+    ]  # fmt: skip
+    assert set(sharded_keys(directory)) == {"a"}  # the tensors only
+    dest = {"a": [TensorShard(torch.zeros(8, 6), (0, 0), (8, 6))]}
+    load_sharded(directory, dest, group=None)  # the byte entries are not read
+    assert torch.equal(dest["a"][0].tensor, full("a"))
+    errors = run_distributed(_save_bytes, 2, str(tmp_path / "twice"), True)
+    assert all("entry obj/shard_0_2 is written by rank 0 and rank 1" in e for e in errors), errors
+    assert not os.path.exists(tmp_path / "twice")

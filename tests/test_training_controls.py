@@ -45,7 +45,7 @@ def logged(stdout: str) -> list[re.Match]:
         (["--num-experts", "8"], "--num-experts is a Megatron-LM flag that megapipe does not "
          "support yet"),
         (["--fp8", "e4m3"], "--fp8 is a Megatron-LM flag that megapipe does not support yet"),
-        (["--wandb-project=x"], "--wandb-project is a Megatron-LM flag"),
+        (["--moe-router-topk=2"], "--moe-router-topk is a Megatron-LM flag"),
         (["--context-parallel-size", "2"], "--context-parallel-size 2: context parallelism is "
          "a Megatron-LM feature that megapipe does not support yet (only 1)"),
         (["--hiden-size", "32"], "unrecognized arguments: --hiden-size 32 (--hiden-size: did "

@@ -76,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
         (("--vocab-size", "--vocab"), "Vocabulary (padded as Megatron does)."),
         (("--seq-length", "--seq"), "Sequence length."),
         (("--ffn-hidden-size", "--ffn"), "MLP size; default 4h (SwiGLU: Megatron's 8h/3)."),
+        (("--kv-channels",), "Attention head dimension; default hidden / heads."),
         (
             ("--global-batch-size", "--global-batch"),
             "Sequences per step; default with --model-preset: the batch its paper trained with.",
@@ -83,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         model.add_argument(*names, type=_positive_int, help=help_text)
     model.add_argument("--swiglu", action="store_true", help="SwiGLU MLP.")
+    model.add_argument("--qk-layernorm", action="store_true", help="Norms over Q and K heads.")
     model.add_argument("--attention-dropout", type=_fraction, default=0.1)
     model.add_argument("--hidden-dropout", type=_fraction, default=0.1)
 
@@ -181,11 +183,13 @@ def _model(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ModelCo
         **fields,
         ffn_hidden_size=ffn,
         num_query_groups=args.num_query_groups,
+        kv_channels=args.kv_channels,
+        qk_layernorm=args.qk_layernorm,
         swiglu=args.swiglu,
         attention_dropout=args.attention_dropout,
         hidden_dropout=args.hidden_dropout,
     )
-    if model.hidden_size % model.num_attention_heads:
+    if model.kv_channels is None and model.hidden_size % model.num_attention_heads:
         parser.error(f"--hidden-size ({model.hidden_size}) is not divisible by "
                      f"--num-attention-heads ({model.num_attention_heads})")  # fmt: skip
     if model.num_attention_heads % model.num_query_groups:

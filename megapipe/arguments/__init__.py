@@ -17,6 +17,7 @@ from typing import NoReturn, TypeVar
 
 import torch
 
+from megapipe.arguments.checkpoint_args import checkpoint_flags
 from megapipe.arguments.data_flags import NO_DATASET, add_data_args, data_config
 from megapipe.arguments.kernel_flags import add_kernel_args, kernel_config
 from megapipe.arguments.logging_flags import (
@@ -30,7 +31,11 @@ from megapipe.arguments.megatron_compat import (
     refuse_unsupported,
     unknown_flag_message,
 )
-from megapipe.arguments.model_flags import add_network_args, add_regularization_args
+from megapipe.arguments.model_flags import (
+    add_network_args,
+    add_regularization_args,
+    resolve_position_embedding,
+)
 from megapipe.arguments.parallel_flags import add_distributed_args, virtual_stages
 from megapipe.arguments.recompute_flags import add_recompute_args, recompute_config
 from megapipe.arguments.sharding_flags import add_sharding_args, resolve_sharding
@@ -95,9 +100,12 @@ def parse_args(argv: Sequence[str] | None, world_size: int) -> Configs:
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     refuse_unsupported(argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    argv += checkpoint_flags(argv, set(parser._option_string_actions))  # --use-checkpoint-args
+    args = parser.parse_args(argv)
     notes: list[str] = compat_notes(args)
 
+    resolve_position_embedding(args)
     data, vocab_size, data_notes = data_config(args)
     notes += data_notes
 
@@ -130,12 +138,17 @@ def parse_args(argv: Sequence[str] | None, world_size: int) -> Configs:
         max_position_embeddings=args.max_position_embeddings,
         ffn_hidden_size=args.ffn_hidden_size,
         num_query_groups=num_query_groups,
+        kv_channels=args.kv_channels,
+        qk_layernorm=args.qk_layernorm,
         position_embedding_type=args.position_embedding_type,
         rotary_base=args.rotary_base,
+        rotary_percent=args.rotary_percent,
         normalization=args.normalization,
         layernorm_epsilon=args.layernorm_epsilon,
         swiglu=args.swiglu,
         openai_gelu=args.openai_gelu,
+        squared_relu=args.squared_relu,
+        apply_residual_connection_post_layernorm=args.apply_residual_connection_post_layernorm,
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
         add_bias_linear=args.add_bias_linear,
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
@@ -168,8 +181,11 @@ def parse_args(argv: Sequence[str] | None, world_size: int) -> Configs:
     resolve_sharding(args)
     optimizer = _from_args(OptimizerConfig, args)
     logging = _from_args(LoggingConfig, args)
+    logging = dataclasses.replace(logging, profile_ranks=tuple(args.profile_ranks))
     checkpoint = _from_args(CheckpointConfig, args)
     notes += checkpoint_notes(checkpoint)
+    if args.decoupled_min_lr is not None and args.decoupled_lr is None:
+        notes.append("--decoupled-min-lr has no effect without --decoupled-lr")
     configs = validate_configs(
         model,
         parallel,
@@ -260,6 +276,8 @@ def _training_config(args: argparse.Namespace, data_parallel_size: int) -> Train
         lr_warmup_fraction=args.lr_warmup_fraction,
         lr_warmup_init=args.lr_warmup_init,
         lr_wsd_decay_style=args.lr_wsd_decay_style,
+        decoupled_lr=args.decoupled_lr,
+        decoupled_min_lr=args.decoupled_min_lr,
         eval_interval=args.eval_interval,
         eval_iters=args.eval_iters,
         skip_train=args.skip_train,
@@ -286,6 +304,11 @@ def checkpoint_notes(checkpoint: CheckpointConfig) -> list[str]:
         raise ConfigError(
             f"--ckpt-format {checkpoint.ckpt_format!r}: choose torch_dist (layout-free, "
             "loadable at any TP/PP/DP) or torch (Megatron's legacy per-rank layout)"
+        )
+    if checkpoint.override_opt_param_scheduler and checkpoint.use_checkpoint_opt_param_scheduler:
+        raise ConfigError(
+            "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude "
+            "each other: the command line's schedule or the checkpoint's, pass one of them"
         )
     if checkpoint.save_interval is not None and checkpoint.save_interval <= 0:
         raise ConfigError(f"--save-interval must be positive, got {checkpoint.save_interval}")

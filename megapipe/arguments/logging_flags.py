@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
+
+from megapipe.config import LoggingConfig
+from megapipe.errors import ConfigError
 
 
 def add_validation_args(group: argparse._ArgumentGroup) -> None:
@@ -75,6 +79,125 @@ def add_logging_args(group: argparse._ArgumentGroup) -> None:
         action="store_true",
         help="Write the global batch size to TensorBoard.",
     )
+    add_monitoring_args(group)
+
+
+def add_monitoring_args(group: argparse._ArgumentGroup) -> None:
+    """Megatron-LM's norm, memory, profiling and Weights & Biases flags."""
+    add = group.add_argument
+    add(
+        "--log-params-norm",
+        action="store_true",
+        help="Add the L2 norm of all parameters (each element counted once, whatever the "
+        "layout) to the log line (`params norm`) and TensorBoard (`params-norm`).",
+    )
+    add(
+        "--log-num-zeros-in-grad",
+        action="store_true",
+        help="Add the number of zero elements in the fp32 gradients (each counted once) to the "
+        "log line (`num zeros`) and TensorBoard (`num-zeros`).",
+    )
+    add(
+        "--log-memory-to-tensorboard",
+        action="store_true",
+        help="Write the memory in use to TensorBoard: the CUDA allocator's mem-reserved-bytes, "
+        "mem-allocated-bytes, mem-max-allocated-bytes and mem-allocated-count; on CPU the "
+        "process's mem-rss-bytes and mem-max-rss-bytes.",
+    )
+    add(
+        "--log-world-size-to-tensorboard",
+        action="store_true",
+        help="Write the number of ranks to TensorBoard (`world-size`).",
+    )
+    add(
+        "--profile",
+        action="store_true",
+        help="Profile iterations [--profile-step-start, --profile-step-end) on --profile-ranks: "
+        "with --use-pytorch-profiler a torch.profiler trace in --tensorboard-dir, else "
+        "cudaProfilerStart/Stop and NVTX ranges for nsys (CUDA only).",
+    )
+    add(
+        "--use-pytorch-profiler",
+        action="store_true",
+        help="With --profile: capture with torch.profiler and write a Chrome trace "
+        "(*.pt.trace.json, for TensorBoard's profile plugin or Perfetto) to --tensorboard-dir.",
+    )
+    add(
+        "--profile-step-start",
+        type=int,
+        default=10,
+        help="First iteration --profile captures (1-based, as the log line counts). Default: 10.",
+    )
+    add(
+        "--profile-step-end",
+        type=int,
+        default=12,
+        help="Iteration at which --profile stops, not captured itself. Default: 12.",
+    )
+    add(
+        "--profile-ranks",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="Global ranks that profile with --profile. Default: 0.",
+    )
+    add(
+        "--wandb-project",
+        default=None,
+        help="Log the TensorBoard scalars to this Weights & Biases project too, from the "
+        "TensorBoard writing rank (needs `pip install wandb`; WANDB_MODE=offline works "
+        "without an account).",
+    )
+    add("--wandb-exp-name", default=None, help="The run's name in --wandb-project (required).")
+    add(
+        "--wandb-save-dir",
+        default=None,
+        help="Directory for wandb's local files. Default: SAVE/wandb with --save, else ./wandb.",
+    )
+
+
+def validate_monitoring(logging: LoggingConfig, world_size: int) -> list[str]:
+    """ConfigError for a --profile or --wandb-* setting that cannot run (on every rank alike,
+    before anything is built); notes for those flags given without the one they qualify."""
+    notes = []
+    start, end = logging.profile_step_start, logging.profile_step_end
+    if logging.profile:
+        if start <= 0:
+            raise ConfigError(
+                f"--profile-step-start must be positive (iterations count from 1), got {start}"
+            )
+        if end <= start:
+            raise ConfigError(
+                f"--profile-step-end ({end}) must be greater than --profile-step-start "
+                f"({start}): the profiled iterations are [start, end)"
+            )
+        outside = [str(r) for r in logging.profile_ranks if not 0 <= r < world_size]
+        if outside:
+            raise ConfigError(
+                f"--profile-ranks {' '.join(outside)}: no such rank in a world of "
+                f"{world_size} (ranks 0..{world_size - 1})"
+            )
+        if logging.use_pytorch_profiler and logging.tensorboard_dir is None:
+            raise ConfigError(
+                "--profile with --use-pytorch-profiler needs --tensorboard-dir (the trace is "
+                "written there)"
+            )
+    elif logging.use_pytorch_profiler:
+        notes.append("--use-pytorch-profiler has no effect without --profile")
+    project = logging.wandb_project
+    if project is None:
+        for given, name in ((logging.wandb_exp_name, "--wandb-exp-name"),
+                            (logging.wandb_save_dir, "--wandb-save-dir")):  # fmt: skip
+            if given is not None:
+                notes.append(f"{name} has no effect without --wandb-project")
+        return notes
+    if not logging.wandb_exp_name:
+        raise ConfigError(
+            f"--wandb-project {project} needs --wandb-exp-name (the run's name in the project)"
+        )
+    if importlib.util.find_spec("wandb") is None:
+        raise ConfigError(f"--wandb-project {project} needs the wandb package: pip install wandb")
+    return notes
 
 
 def add_checkpoint_args(group: argparse._ArgumentGroup) -> None:
@@ -96,6 +219,12 @@ def add_checkpoint_args(group: argparse._ArgumentGroup) -> None:
         "tools/checkpoint/convert.py. Default: torch_dist.",
     )
     add("--ckpt-step", type=int, default=None, help="Load this iteration instead of the latest.")
+    add(
+        "--use-checkpoint-args",
+        action="store_true",
+        help="Take the model's shape and tokenizer flags from the checkpoint --load names "
+        "(megapipe's or Megatron-LM's); they win over the command line's, as in Megatron-LM.",
+    )
     add("--no-save-optim", action="store_true", help="Do not save the optimizer state.")
     add("--no-save-rng", action="store_true", help="Do not save the random states.")
     add("--no-load-optim", action="store_true", help="Do not load the optimizer state.")

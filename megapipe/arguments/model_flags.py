@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from megapipe.errors import ConfigError
+
 
 def add_network_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
@@ -33,6 +35,19 @@ def add_network_args(group: argparse._ArgumentGroup) -> None:
         "Default with it: 1 (multi-query attention), as Megatron-LM.",
     )
     group.add_argument(
+        "--kv-channels",
+        type=int,
+        default=None,
+        help="Projection weights dimension in multi-head attention (the head dimension of Q, "
+        "K and V). Default: --hidden-size / --num-attention-heads.",
+    )
+    group.add_argument(
+        "--qk-layernorm",
+        action="store_true",
+        help="Apply a norm (of --normalization's type) over each head of the queries and keys "
+        "after the QKV projection, before rotary embeddings.",
+    )
+    group.add_argument(
         "--seq-length", type=int, required=True, help="Maximum sequence length to process."
     )
     group.add_argument(
@@ -43,11 +58,24 @@ def add_network_args(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument(
         "--position-embedding-type",
-        default="learned_absolute",
+        default=None,
         help="Position embedding type: learned_absolute, rope or none. Default: learned_absolute.",
     )
     group.add_argument(
+        "--use-rotary-position-embeddings",
+        action="store_true",
+        help="Use rotary positional embeddings (Megatron-LM's older spelling of "
+        "--position-embedding-type rope).",
+    )
+    group.add_argument(
         "--rotary-base", type=int, default=10000, help="Base of rotary embeddings. Default: 10000."
+    )
+    group.add_argument(
+        "--rotary-percent",
+        type=float,
+        default=1.0,
+        help="Fraction of each head's dimensions that rotary embeddings rotate (the first "
+        "int(kv-channels x percent)); the rest pass through unchanged. Default: 1.0.",
     )
     group.add_argument(
         "--normalization",
@@ -64,6 +92,17 @@ def add_network_args(group: argparse._ArgumentGroup) -> None:
         "--openai-gelu",
         action="store_true",
         help="Use OpenAI's GeLU (GPT-2's tanh approximation) instead of the exact erf GeLU.",
+    )
+    group.add_argument(
+        "--squared-relu",
+        action="store_true",
+        help="Use squared ReLU (relu(x)^2) as the MLP activation instead of GeLU.",
+    )
+    group.add_argument(
+        "--apply-residual-connection-post-layernorm",
+        action="store_true",
+        help="Take each residual connection from the output of the norm before the attention "
+        "(MLP) block instead of from its input (the original BERT ordering).",
     )
     group.add_argument(
         "--untie-embeddings-and-output-weights",
@@ -104,3 +143,18 @@ def add_regularization_args(group: argparse._ArgumentGroup) -> None:
         default=0.1,
         help="Dropout probability on the hidden states (after attention and MLP). Default: 0.1.",
     )
+
+
+def resolve_position_embedding(args: argparse.Namespace) -> None:
+    """Settle --position-embedding-type in `args` (recorded as settled): rope with
+    --use-rotary-position-embeddings, else the flag's value or learned_absolute."""
+    given = args.position_embedding_type
+    if args.use_rotary_position_embeddings:
+        if given not in (None, "rope"):
+            raise ConfigError(
+                f"--use-rotary-position-embeddings contradicts --position-embedding-type {given} "
+                "(it means --position-embedding-type rope)"
+            )
+        args.position_embedding_type = "rope"
+    elif given is None:
+        args.position_embedding_type = "learned_absolute"

@@ -298,3 +298,33 @@ def add_optimizer_args(group: argparse._ArgumentGroup) -> None:
         default="exponential",
         help="WSD decay: exponential, linear, cosine or minus_sqrt. Default: exponential.",
     )
+    add(
+        "--decoupled-lr",
+        type=float,
+        default=None,
+        help="Peak learning rate of the input embedding and output layer (the word embeddings, "
+        "the output layer when untied; a tied copy counts as embedding), with the schedule of "
+        "--lr (same warmup and decay); the other parameters keep --lr. Default: --lr.",
+    )
+    add(
+        "--decoupled-min-lr",
+        type=float,
+        default=None,
+        help="Minimum learning rate the --decoupled-lr schedule decays to. Default: --min-lr.",
+    )
+    add(
+        "--override-opt_param-scheduler",
+        action="store_true",
+        help="On resuming, take the learning-rate and weight-decay schedule (--lr, --min-lr, "
+        "warmup, decay iterations and style, --weight-decay, --decoupled-lr) from the command "
+        "line where it differs from the checkpoint's; the schedule's position (samples trained) "
+        "still comes from the checkpoint.",
+    )
+    add(
+        "--use-checkpoint-opt_param-scheduler",
+        action="store_true",
+        help="On resuming, continue the learning-rate and weight-decay schedule saved in the "
+        "checkpoint, ignoring the command line's schedule flags. Without this or "
+        "--override-opt_param-scheduler, a schedule that differs from the checkpoint's is an "
+        "error.",
+    )

@@ -14,12 +14,14 @@ import dataclasses
 import os
 import warnings
 
+from megapipe.arguments.logging_flags import validate_monitoring
 from megapipe.arguments.sharding_flags import hybrid_groups
 from megapipe.config import (
     NORMALIZATIONS,
     POSITION_EMBEDDING_TYPES,
     Configs,
     DataConfig,
+    KernelConfig,
     LoggingConfig,
     ModelConfig,
     OptimizerConfig,
@@ -32,7 +34,7 @@ from megapipe.pipeline.partition import StageMap
 from megapipe.pipeline.schedules import validate_schedule
 from megapipe.pipeline.stage_memory import plan_stages
 from megapipe.training.batch_size import batch_size_schedule_of
-from megapipe.training.lr_schedule import lr_schedule_of
+from megapipe.training.lr_schedule import decoupled_schedule_of, lr_schedule_of
 
 
 def _require(condition: object, message: str) -> None:
@@ -71,9 +73,13 @@ def validate_model(model: ModelConfig) -> None:
         make_vocab_size_divisible_by=model.make_vocab_size_divisible_by,
         init_method_std=model.init_method_std,
     )
-    _divisible(
-        ("--hidden-size", model.hidden_size), ("--num-attention-heads", model.num_attention_heads)
-    )
+    if model.kv_channels is None:  # the head dim is hidden / heads
+        _divisible(
+            ("--hidden-size", model.hidden_size),
+            ("--num-attention-heads", model.num_attention_heads),
+        )
+    else:
+        _positive(kv_channels=model.kv_channels)
     _divisible(
         ("--num-attention-heads", model.num_attention_heads),
         ("--num-query-groups", model.num_query_groups),
@@ -93,15 +99,45 @@ def validate_model(model: ModelConfig) -> None:
             f"--seq-length ({model.seq_length}) exceeds --max-position-embeddings "
             f"({model.max_position_embeddings}) with learned absolute position embeddings",
         )
+    _require(
+        0.0 < model.rotary_percent <= 1.0,
+        f"--rotary-percent must be in (0, 1], got {model.rotary_percent}",
+    )
     if model.position_embedding_type == "rope":
+        head = (
+            "--kv-channels"
+            if model.kv_channels is not None
+            else "--hidden-size/--num-attention-heads"
+        )
+        if model.rotary_percent == 1.0:
+            _require(
+                model.head_dim % 2 == 0,
+                f"rotary embeddings need an even head dim, got {head} = {model.head_dim}",
+            )
+        else:
+            _require(
+                model.rotary_dim > 0 and model.rotary_dim % 2 == 0,
+                f"rotary embeddings need an even, positive number of rotated dims, got "
+                f"int({head} {model.head_dim} x --rotary-percent {model.rotary_percent}) = "
+                f"{model.rotary_dim}",
+            )
+    else:
         _require(
-            model.head_dim % 2 == 0,
-            f"rotary embeddings need an even head dim, got "
-            f"--hidden-size/--num-attention-heads = {model.head_dim}",
+            model.rotary_percent == 1.0,
+            f"--rotary-percent {model.rotary_percent} needs rotary embeddings "
+            f"(--position-embedding-type rope), got {model.position_embedding_type}",
         )
     _require(
         not (model.openai_gelu and model.swiglu),
         "--openai-gelu with --swiglu: the SwiGLU MLP has no GeLU (it uses SiLU)",
+    )
+    _require(
+        not (model.squared_relu and model.swiglu),
+        "--squared-relu with --swiglu: the MLP has one activation (squared ReLU or SwiGLU)",
+    )
+    _require(
+        not (model.squared_relu and model.openai_gelu),
+        "--squared-relu with --openai-gelu: the MLP has one activation (squared ReLU or GeLU)",
     )
     for name in ("attention_dropout", "hidden_dropout"):
         value = getattr(model, name)
@@ -204,9 +240,11 @@ def validate_training(training: TrainingConfig, data_parallel_size: int) -> None
             _positive(**{name: value})
     if training.train_iters > 0:
         lr_schedule_of(training)
+        decoupled_schedule_of(training)
 
 
-def validate_logging(logging: LoggingConfig) -> None:
+def validate_logging(logging: LoggingConfig, world_size: int = 1) -> list[str]:
+    """The logging flags; notes for those that have no effect as given."""
     _positive(
         tensorboard_log_interval=logging.tensorboard_log_interval,
         tensorboard_queue_size=logging.tensorboard_queue_size,
@@ -219,6 +257,7 @@ def validate_logging(logging: LoggingConfig) -> None:
             not os.path.exists(path) or os.path.isdir(path),
             f"--tensorboard-dir {path}: exists and is not a directory",
         )
+    return validate_monitoring(logging, world_size)
 
 
 def validate_data(data: DataConfig) -> None:
@@ -316,6 +355,14 @@ def validate_configs(
             raise ConfigError(
                 f"{error} (at the ramped global batch size {batch_size} of --rampup-batch-size)"
             ) from None
+    kernels = others.get("kernels")
+    if isinstance(kernels, KernelConfig) and kernels.transformer_impl == "transformer_engine":
+        _require(
+            not model.apply_residual_connection_post_layernorm,
+            "--apply-residual-connection-post-layernorm with --transformer-impl "
+            "transformer_engine: TE fuses the norm into the QKV and fc1 linears, so its output "
+            "is not there to add; use --transformer-impl local",
+        )
     recompute = others.get("recompute")
     recompute = recompute if isinstance(recompute, RecomputeConfig) else RecomputeConfig()
     stage_map = plan_stages(
@@ -331,7 +378,7 @@ def validate_configs(
     validate_sharding(optimizer, dp)
     logging = others.get("logging")
     if isinstance(logging, LoggingConfig):
-        validate_logging(logging)
+        notes += validate_logging(logging, world_size)
     data = others.get("data")
     if isinstance(data, DataConfig):
         validate_data(data)

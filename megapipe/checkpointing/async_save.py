@@ -85,6 +85,7 @@ class AsyncSaver:
         *,
         coordinator: bool,
         then: Callable[[], None] | None = None,
+        objects: dict[str, bytes] | None = None,
     ) -> float:
         """Stage and start saving; `then` (e.g. writing the tracker) runs on the background
         thread once `directory` is in place. Returns the seconds the caller was blocked
@@ -101,7 +102,12 @@ class AsyncSaver:
                 if cuda_index is not None:
                     torch.cuda.set_device(cuda_index)
                 save_sharded(
-                    directory, staged, staged_common, group=self._group, coordinator=coordinator
+                    directory,
+                    staged,
+                    staged_common,
+                    group=self._group,
+                    coordinator=coordinator,
+                    objects=objects,
                 )
                 if then is not None:
                     then()

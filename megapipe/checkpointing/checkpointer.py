@@ -19,12 +19,15 @@ import torch
 
 from megapipe.checkpointing import legacy_torch
 from megapipe.checkpointing.async_save import AsyncSaver, new_saving_group
+from megapipe.checkpointing.layout_free import fit_vocabulary
 from megapipe.checkpointing.load_plan import Held, LoadPlan, Request, plan_load
+from megapipe.checkpointing.megatron_args import megatron_namespace
 from megapipe.checkpointing.run_state import (
     CHECKPOINT_VERSION,
     LiveRun,
     Progress,
     after_load,
+    extra_state_to_save,
     layout_of,
     optimizer_step_count,
     restore_rng,
@@ -33,6 +36,7 @@ from megapipe.checkpointing.run_state import (
     state_to_load,
     state_to_save,
 )
+from megapipe.checkpointing.scheduler_rule import ScheduleSettings
 from megapipe.checkpointing.torch_dist import load_common, load_sharded, save_sharded, sharded_keys
 from megapipe.checkpointing.tracker import checkpoint_to_load, iteration_dir, point_tracker
 from megapipe.config import Configs
@@ -91,6 +95,11 @@ class Checkpointer:
                 if warning is not None:
                     say(f"warning: {warning}")
 
+        namespace = megatron_namespace(
+            self.configs,
+            iteration=progress.iteration,
+            consumed_train_samples=progress.consumed_samples,
+        )
         if checkpoint.ckpt_format == "torch":  # Megatron's legacy layout (synchronous)
             contents = legacy_torch.SaveContents(
                 progress,
@@ -98,6 +107,7 @@ class Checkpointer:
                 with_rng=not checkpoint.no_save_rng,
                 args=dict(self.configs.arguments),
                 true_vocab_size=self.configs.model.vocab_size,
+                megatron_args=namespace,
             )
             legacy_torch.save(self.run, directory, contents, then=then)
             return os.path.abspath(directory), time.perf_counter() - start
@@ -116,12 +126,24 @@ class Checkpointer:
             "has_rng": not checkpoint.no_save_rng,
             "loss_scaler": scaler.state_dict() if scaler is not None else {},
             "layout": self.layout,
-            "args": dict(self.configs.arguments),
+            "args": namespace,  # Megatron-LM's; megapipe reads its own strings
+            "megapipe_args": dict(self.configs.arguments),
+            "true_vocab_size": self.configs.model.vocab_size,
         }
+        objects = extra_state_to_save(self.chunks, self.state, self.num_layers)
         if self.saver is not None:
-            self.saver.save(directory, shards, common, coordinator=coordinator, then=then)
+            self.saver.save(
+                directory, shards, common, coordinator=coordinator, then=then, objects=objects
+            )
             return directory, time.perf_counter() - start
-        save_sharded(directory, shards, common, group=self.state.world.pg, coordinator=coordinator)
+        save_sharded(
+            directory,
+            shards,
+            common,
+            group=self.state.world.pg,
+            coordinator=coordinator,
+            objects=objects,
+        )
         then()
         if self.state.world_size > 1:
             torch.distributed.barrier(group=self.state.world.pg)
@@ -134,9 +156,11 @@ class Checkpointer:
 
     # --- loading --------------------------------------------------------------------------
 
-    def load(self) -> tuple[Progress | None, list[str]]:
+    def load(self, schedule: ScheduleSettings | None = None) -> tuple[Progress | None, list[str]]:
         """Load what --load names into the live run; (progress to continue from, or None to
-        start from scratch; notes for the user). The format is whatever is on disk."""
+        start from scratch; notes for the user). The format is whatever is on disk.
+        `schedule`: the run's LR schedule settings, checked against the checkpoint's
+        (`load_plan`); the progress then carries the settings to continue with."""
         checkpoint = self.checkpoint
         iteration = checkpoint_to_load(checkpoint)
         if iteration is None:
@@ -146,12 +170,14 @@ class Checkpointer:
         if legacy_torch.is_legacy(directory):
             directory = os.path.abspath(directory)
             data = legacy_torch.read_model(self.run, directory, Request.of(checkpoint).optimizer)
-            plan = plan_load(checkpoint, directory, iteration, Held.of(data), self.layout)
+            held = Held.of(data)
+            plan = plan_load(checkpoint, directory, iteration, held, self.layout, schedule)
             legacy_torch.restore(self.run, directory, data, optimizer=plan.optimizer, rng=plan.rng)
             saved = Progress.from_dict(data["opt_param_scheduler"])
         else:
             common = load_common(directory)
-            plan = plan_load(checkpoint, directory, iteration, Held.of(common), self.layout)
+            held = Held.of(common)
+            plan = plan_load(checkpoint, directory, iteration, held, self.layout, schedule)
             self._load_torch_dist(plan, common)
             saved = Progress.from_dict(common)
         return plan.progress(saved), list(plan.notes)
@@ -169,7 +195,9 @@ class Checkpointer:
             loaded = {k.removeprefix("optimizer.state.fp32_param.") for k in masters}
             shards = {k: v for k, v in shards.items() if k not in loaded}
         rng = rng_destinations(self.rng, self.state) if plan.rng else {}
-        load_sharded(plan.directory, {**shards, **rng}, group=self.state.world.pg)
+        load_sharded(
+            plan.directory, {**shards, **rng}, group=self.state.world.pg, fit=fit_vocabulary
+        )
         if plan.rng:
             restore_rng({k: v[0].tensor for k, v in rng.items()}, self.rng, self.state.rank)
         if optimizer is not None:

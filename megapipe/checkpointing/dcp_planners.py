@@ -1,16 +1,21 @@
 """DCP planners for `TensorShard`s: each piece a SHARD write item with its chunk and the
 global size (as DCP builds them for ShardedTensor/DTensor), and load read items for the
-requested regions from whatever chunks the checkpoint holds (DCP's resharding sweep)."""
+requested regions from whatever chunks the checkpoint holds (DCP's resharding sweep).
+
+Saving also writes byte entries (BYTE_IO items: Megatron-Core's `_extra_state` objects), each
+from one rank; loading never reads them."""
 
 from __future__ import annotations
 
 import io
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
 from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
@@ -51,9 +56,11 @@ def _narrow(tensor: torch.Tensor, offsets: torch.Size, lengths: torch.Size) -> t
     return tensor
 
 
-def write_items(shards: ShardedState) -> list[WriteItem]:
-    """One SHARD write item per non-empty piece."""
-    items = []
+def write_items(
+    shards: ShardedState, objects: Mapping[str, bytes] | None = None
+) -> list[WriteItem]:
+    """One SHARD write item per non-empty piece, one BYTE_IO item per object."""
+    items = [WriteItem(MetadataIndex(fqn), WriteItemType.BYTE_IO) for fqn in objects or {}]
     for fqn, pieces in shards.items():
         for piece in pieces:
             if piece.tensor.numel() == 0:
@@ -72,13 +79,35 @@ def write_items(shards: ShardedState) -> list[WriteItem]:
     return items
 
 
+def check_byte_entries(all_plans: list[SavePlan], where: str) -> None:
+    """Each byte entry is written by one rank, and no tensor has its name (checked before
+    DCP builds the metadata, which would only assert)."""
+    writers: dict[str, int] = {}  # byte entry -> the rank that writes it
+    tensors = set()
+    for rank, plan in enumerate(all_plans):
+        for item in plan.items:
+            if item.type != WriteItemType.BYTE_IO:
+                tensors.add(item.index.fqn)
+            elif writers.setdefault(item.index.fqn, rank) != rank:
+                raise CheckpointError(
+                    f"checkpoint {where}: entry {item.index.fqn} is written by rank "
+                    f"{writers[item.index.fqn]} and rank {rank}"
+                )
+    both = sorted(tensors & set(writers))
+    if both:
+        raise CheckpointError(f"checkpoint {where}: {both[0]} is both bytes and a tensor")
+
+
 def check_global_plan(all_plans: list[SavePlan], metadata: Metadata, where: str) -> None:
     """Every rank agrees on each tensor's global shape and dtype, and the pieces of all ranks
     tile each tensor exactly (no overlap, nothing missing)."""
     seen: dict[str, tuple[int, TensorWriteData]] = {}
     for rank, plan in enumerate(all_plans):
         for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO:
+                continue  # check_byte_entries
             data = item.tensor_data
+            assert data is not None
             fqn = item.index.fqn
             first = seen.setdefault(fqn, (rank, data))
             if data.size != first[1].size:
@@ -92,6 +121,8 @@ def check_global_plan(all_plans: list[SavePlan], metadata: Metadata, where: str)
                     f"{first[0]}, {data.properties.dtype} on rank {rank}"
                 )
     for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, BytesStorageMetadata):
+            continue
         assert isinstance(md, TensorStorageMetadata)
         chunks = sorted(md.chunks, key=lambda c: tuple(c.offsets))
         for i, a in enumerate(chunks):
@@ -112,18 +143,22 @@ def check_global_plan(all_plans: list[SavePlan], metadata: Metadata, where: str)
 
 
 class ShardSavePlanner(SavePlanner):
-    """Writes this rank's TensorShards; the coordinator checks that all ranks' pieces agree."""
+    """Writes this rank's TensorShards and byte `objects`; the coordinator checks that all
+    ranks' pieces agree."""
 
-    def __init__(self, shards: ShardedState, where: str) -> None:
+    def __init__(
+        self, shards: ShardedState, where: str, objects: Mapping[str, bytes] | None = None
+    ) -> None:
         self._where = where
-        self._items = write_items(shards)
+        self._objects = dict(objects or {})
+        self._items = write_items(shards, self._objects)
         self._tensors = {
             (fqn, tuple(p.offsets)): p.tensor
             for fqn, pieces in shards.items()
             for p in pieces
             if p.tensor.numel()
         }
-        if len(self._tensors) != len(self._items):
+        if len(self._tensors) + len(self._objects) != len(self._items):
             raise CheckpointError(f"checkpoint {where}: two pieces of one tensor at one offset")
 
     def set_up_planner(
@@ -135,6 +170,7 @@ class ShardSavePlanner(SavePlanner):
         return SavePlan(list(self._items))
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        check_byte_entries(all_plans, self._where)
         plans, metadata = create_default_global_save_plan(all_plans)
         check_global_plan(plans, metadata, self._where)
         return plans, metadata
@@ -143,6 +179,8 @@ class ShardSavePlanner(SavePlanner):
         return new_plan
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        if write_item.type == WriteItemType.BYTE_IO:
+            return io.BytesIO(self._objects[write_item.index.fqn])
         tensor = self._tensors[(write_item.index.fqn, tuple(write_item.index.offset))]
         tensor = tensor.detach().cpu()
         # torch.save writes a view's whole storage: store only the piece itself.

@@ -9,9 +9,11 @@ written by data-parallel rank 0 of each model-parallel rank, holding
 - `optimizer`: this rank's optimizer state (torch's `state_dict()` of the inner optimizer and
   the fp32 masters when they are copies), layout-bound. With the distributed optimizer every
   data-parallel rank writes its own part beside it as `distrib_optim_{DP:03d}.pt` instead;
-- `opt_param_scheduler` (`Progress.as_dict()`), `iteration`, `checkpoint_version` 3.0, `args`
-  (megapipe's arguments as a dict of strings), `rng_state` (a list over data-parallel ranks,
-  as Megatron's), and megapipe's `layout`, `layer_ranges`, `true_vocab_size`, `loss_scaler`.
+- `opt_param_scheduler` (`Progress.scheduler_entry`), `iteration`, `checkpoint_version` 3.0, `args`
+  (Megatron-LM's `argparse.Namespace`, `megatron_args`), `rng_state` (a list over
+  data-parallel ranks, as Megatron's), and megapipe's `megapipe_args` (its arguments as a dict
+  of strings; older files have that dict under `args`), `layout`, `layer_ranges`,
+  `true_vocab_size`, `loss_scaler`.
 
 Each mp_rank directory carries `checksums.json`; the iteration directory is written under a
 temporary sibling and renamed into place, then the tracker is written. A checkpoint loads only
@@ -36,6 +38,7 @@ from megapipe.atomic_files import fsync_path
 from megapipe.checkpointing import atomic_dir
 from megapipe.checkpointing.agreement import agree, attempt, gather
 from megapipe.checkpointing.errors import CheckpointError
+from megapipe.checkpointing.megatron_args import COMMON_PT_GLOBALS
 from megapipe.checkpointing.run_state import (
     CHECKPOINT_VERSION,
     LiveRun,
@@ -125,7 +128,7 @@ def load_chunk_state(chunk: torch.nn.Module, state: dict[str, torch.Tensor], whe
 
 def read_file(path: str) -> dict:
     """A legacy checkpoint file, with weights_only=True (Megatron's `args` Namespace allowed)."""
-    data = safe_torch_load(path, [argparse.Namespace])
+    data = safe_torch_load(path, COMMON_PT_GLOBALS)
     if not isinstance(data, dict):
         raise CheckpointError(f"checkpoint file {path}: holds a {type(data).__name__}, not a dict")
     return data
@@ -191,6 +194,7 @@ class SaveContents:
     with_rng: bool  # not --no-save-rng
     args: dict[str, str]  # the run's arguments, as strings
     true_vocab_size: int
+    megatron_args: argparse.Namespace  # the same, as Megatron-LM's `args`
 
 
 def save(
@@ -260,6 +264,7 @@ def _model_file(run: LiveRun, contents: SaveContents, rng_list: list) -> dict:
             run.layout,
             [[r.start, r.stop] for r in (_range_of(c) for c in chunks)],
             contents.true_vocab_size,
+            contents.megatron_args,
         )
     )
     data.update(
@@ -285,13 +290,15 @@ def common_entries(
     layout: dict[str, int],
     layer_ranges: list[list[int]],
     true_vocab_size: int,
+    megatron_args: argparse.Namespace,
 ) -> dict[str, Any]:
     """The non-tensor entries every model_optim_rng.pt carries (shared with the converter)."""
     return {
         "iteration": progress.iteration,
         "checkpoint_version": CHECKPOINT_VERSION,
-        "opt_param_scheduler": progress.as_dict(),
-        "args": args,
+        "opt_param_scheduler": progress.scheduler_entry(),
+        "args": megatron_args,
+        "megapipe_args": args,
         "layout": layout,
         "layer_ranges": layer_ranges,
         "true_vocab_size": true_vocab_size,

@@ -2,15 +2,18 @@
 
 The flags ask (`--finetune`: the weights only, progress restarts at 0; `--no-load-optim`,
 `--no-load-rng`), the checkpoint answers what it holds (optimizer state, random states, the
-layout it was saved at), and `plan_load` settles what is restored and the notes for the user.
+layout it was saved at, the LR schedule's settings), and `plan_load` settles what is restored,
+which schedule the run continues (Megatron's rule, `scheduler_rule.settle`) and the notes.
 The format modules only read and write their files, as the plan says.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from megapipe.checkpointing.run_state import Progress
+from megapipe.checkpointing.scheduler_rule import ScheduleSettings, saved_settings, settle
 from megapipe.config import CheckpointConfig
 
 
@@ -49,6 +52,7 @@ class Held:
     has_optimizer: bool
     has_rng: bool
     layout: dict | None  # the layout record it was saved at
+    scheduler: dict | None = None  # the LR schedule's settings (None: not recorded)
 
     @classmethod
     def of(cls, entries: dict) -> Held:
@@ -56,6 +60,7 @@ class Held:
             bool(entries.get("has_optimizer", False)),
             bool(entries.get("has_rng", False)),
             entries.get("layout"),
+            saved_settings(entries.get("opt_param_scheduler")),
         )
 
 
@@ -69,18 +74,46 @@ class LoadPlan:
     optimizer: bool  # the optimizer's state and the loss scaler's
     rng: bool  # the random states (per rank: only at the layout they were saved at)
     notes: tuple[str, ...]
+    scheduler: dict | None = None  # the schedule settings to continue with (None: the saved)
 
     def progress(self, saved: Progress) -> Progress:
-        """Where training continues: the saved progress, or 0 after --finetune."""
-        return Progress(0, 0, 0, {}) if self.weights_only else saved
+        """Where training continues: the saved progress with the settled schedule, or 0
+        after --finetune (a fresh schedule)."""
+        if self.weights_only:
+            return Progress(0, 0, 0, {})
+        if self.scheduler is None:
+            return saved
+        return dataclasses.replace(saved, scheduler=self.scheduler)
+
+
+def _continues_schedule(
+    schedule: ScheduleSettings, request: Request, held: Held, iteration: int
+) -> bool:
+    """Whether the saved schedule is continued (so checked): with the optimizer's state, and
+    iterations left to train."""
+    return request.optimizer and held.has_optimizer and iteration < schedule.train_iters
 
 
 def plan_load(
-    checkpoint: CheckpointConfig, directory: str, iteration: int, held: Held, layout: dict
+    checkpoint: CheckpointConfig,
+    directory: str,
+    iteration: int,
+    held: Held,
+    layout: dict,
+    schedule: ScheduleSettings | None = None,
 ) -> LoadPlan:
-    """Settle what the load of `directory` restores into a run at `layout`."""
+    """Settle what the load of `directory` restores into a run at `layout`, and, given the
+    run's `schedule` settings, the schedule it continues (ConfigError where they differ from
+    the checkpoint's and no option says which wins). As in Megatron, the schedule is part of
+    the optimizer's state: --finetune, --no-load-optim and a checkpoint without optimizer
+    state take the command line's unchecked (on the saved clock, unless --finetune); so does a
+    checkpoint with nothing left to train."""
     request = Request.of(checkpoint)
     notes = [f"loading checkpoint from {directory} at iteration {iteration}"]
+    scheduler = None
+    if schedule is not None and _continues_schedule(schedule, request, held, iteration):
+        scheduler, note = settle(schedule, held.scheduler, checkpoint, directory)
+        notes += [note] if note else []
     optimizer = request.optimizer
     if optimizer and not held.has_optimizer:
         notes.append(f"{directory} holds no optimizer state: the optimizer starts afresh")
@@ -93,4 +126,6 @@ def plan_load(
             "unaffected)"
         )
         rng = False
-    return LoadPlan(directory, iteration, request.weights_only, optimizer, rng, tuple(notes))
+    return LoadPlan(
+        directory, iteration, request.weights_only, optimizer, rng, tuple(notes), scheduler
+    )

@@ -7,7 +7,11 @@
   writes the part it owns, otherwise data-parallel rank 0 writes it all;
 - common (one copy): iteration, consumed samples, the LR schedule's clock (samples of
   successful updates), the optimizer's step count, the loss scaler, how many evaluations each
-  split has run, the run's arguments and layout;
+  split has run, the layout, the real vocabulary size (`true_vocab_size`), the run's
+  arguments as Megatron-LM's `args` Namespace (`megatron_args`) and as megapipe's strings
+  (`megapipe_args`);
+- Megatron-Core's `_extra_state` byte entries of every layer (`extra_state_to_save`), written
+  once and never read back;
 - random state of every rank (python, numpy, torch, CUDA, the TP stream): restored only at the
   same layout. Dropout masks depend on (seed, sample, layer, site) alone, so a resumed run is
   exact at any layout without them.
@@ -22,7 +26,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from megapipe.checkpointing.layout_free import OPTIMIZER_STATES, model_shards, optimizer_shards
+from megapipe.checkpointing.layout_free import (
+    OPTIMIZER_STATES,
+    extra_state_entries,
+    logical_name,
+    model_shards,
+    optimizer_shards,
+)
+from megapipe.checkpointing.scheduler_rule import saved_settings
 from megapipe.checkpointing.shards import ShardedState, TensorShard
 from megapipe.distributed.optimizer import ShardedOptimizer
 from megapipe.parallel.random import RNGTracker
@@ -39,22 +50,41 @@ class Progress:
     consumed_samples: int = 0  # samples read (the data position)
     scheduled_samples: int = 0  # samples of successful updates (the LR schedule's clock)
     evaluations: dict[str, int] | None = None  # evaluations run per split (their data position)
+    # The LR schedule's settings under Megatron's names (scheduler_rule.SETTINGS); None: none
+    # recorded (a checkpoint from before they were, or no schedule).
+    scheduler: dict[str, object] | None = None
 
     def as_dict(self) -> dict:
-        return {
+        """torch_dist's common entries: the progress, and Megatron's `opt_param_scheduler`
+        (the settings and the clock, num_steps) when there are settings."""
+        entries: dict = {
             "iteration": self.iteration,
             "consumed_train_samples": self.consumed_samples,
             "scheduled_samples": self.scheduled_samples,
             "evaluations": dict(self.evaluations or {}),
         }
+        if self.scheduler is not None:
+            entries["opt_param_scheduler"] = {
+                **self.scheduler,
+                "num_steps": self.scheduled_samples,
+            }
+        return entries
+
+    def scheduler_entry(self) -> dict:
+        """The legacy format's `opt_param_scheduler`: Megatron's settings and num_steps, and
+        megapipe's progress beside them (one flat dict, as Megatron's loader reads it)."""
+        entries = self.as_dict()
+        return {**entries.pop("opt_param_scheduler", {}), **entries}
 
     @classmethod
     def from_dict(cls, common: dict) -> Progress:
+        """From torch_dist's common entries, or the legacy `opt_param_scheduler` entry."""
         return cls(
             int(common["iteration"]),
             int(common["consumed_train_samples"]),
             int(common["scheduled_samples"]),
             {k: int(v) for k, v in common.get("evaluations", {}).items()},
+            saved_settings(common.get("opt_param_scheduler", common)),
         )
 
 
@@ -227,6 +257,17 @@ def state_to_save(
     if optimizer is not None and _writes_optimizer(optimizer, state):
         _add_optimizer(shards, chunks, optimizer, state, num_layers, loading=False)
     return shards
+
+
+def extra_state_to_save(
+    chunks: Sequence[torch.nn.Module], state: ParallelState, num_layers: int
+) -> dict[str, bytes]:
+    """Megatron-Core's `_extra_state` entries of this rank's layers, written once over the job:
+    by TP rank 0 of data-parallel rank 0 (of the first replica, under hybrid sharding)."""
+    if state.tp.rank != 0 or state.dp.rank != 0 or not _first_replica(state):
+        return {}
+    layers = (logical_name(name)[1] for name, _ in _named_params(chunks))
+    return extra_state_entries((i for i in layers if i is not None), num_layers)
 
 
 def _add_optimizer(

@@ -10,6 +10,7 @@ by DCP; byte entries are never read (our load planner refuses them).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import pickle
@@ -116,13 +117,21 @@ def load_dcp_metadata(path: str | os.PathLike) -> Metadata:
 _TORCH_BOILERPLATE = ("Weights only load failed", "Please file an issue", "Check the documentation")
 
 
+def allowing(allowed: Sequence[type]) -> contextlib.AbstractContextManager:
+    """torch's `safe_globals` for the classes of `allowed` not already allowed process-wide:
+    its exit removes what it was given, also a class another library registered before
+    (Megatron-Core registers `argparse.Namespace` on import, and its loads rely on it)."""
+    registered = torch.serialization.get_safe_globals()
+    return torch.serialization.safe_globals([c for c in allowed if c not in registered])
+
+
 def safe_torch_load(path: str | os.PathLike, allowed: Sequence[type] = ()) -> Any:
     """`torch.load(path, weights_only=True)` (plus the `allowed` classes), every failure one
     CheckpointError line: missing, refused (naming the global a pickled object needs: code),
     or unreadable (truncated or corrupted). torch's own message would advise retrying with
     weights_only=False, which is exactly what must not be done with an untrusted file."""
     try:
-        with torch.serialization.safe_globals(list(allowed)), warnings.catch_warnings():
+        with allowing(allowed), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # e.g. "pickle protocol 22" from a damaged file
             return torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:

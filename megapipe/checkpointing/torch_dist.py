@@ -1,8 +1,10 @@
 """The `torch_dist` checkpoint format (Megatron-Core's default) on torch.distributed.checkpoint.
 
 A directory holds DCP's `.metadata` and `__<rank>_0.distcp` files (every logical tensor under
-its global name and global shape, each rank's pieces in its own file), `common.pt` (the
-non-sharded state, loaded with `weights_only=True`), Megatron-Core's `metadata.json`, and
+its global name and global shape, each rank's pieces in its own file, and byte entries such as
+Megatron-Core's `_extra_state`, written but never read), `common.pt` (the non-sharded state,
+loaded with `weights_only=True` and `megatron_args.COMMON_PT_GLOBALS`, Megatron-LM's `args`
+Namespace), Megatron-Core's `metadata.json`, and
 megapipe's `checksums.json` (size and sha256 of every file, verified before anything is read).
 
 Every function that takes `group` is collective over it; `group=None` means this process alone
@@ -30,8 +32,10 @@ from megapipe.checkpointing import atomic_dir
 from megapipe.checkpointing.agreement import agree, attempt, gather, one_line
 from megapipe.checkpointing.dcp_planners import ShardLoadPlanner, ShardSavePlanner, read_items
 from megapipe.checkpointing.errors import CheckpointError
+from megapipe.checkpointing.megatron_args import COMMON_PT_GLOBALS
 from megapipe.checkpointing.safe_pickle import (
     SafeFileSystemReader,
+    allowing,
     load_dcp_metadata,
     safe_torch_load,
 )
@@ -49,6 +53,8 @@ METADATA_JSON_NAME = "metadata.json"
 
 T = TypeVar("T")
 DtypeConversions = dict[str, tuple[torch.dtype, torch.dtype]]  # name -> (checkpoint, model)
+# (requested pieces, the checkpoint's global shapes, directory) -> the pieces to read
+Fit = Callable[[ShardedState, dict[str, tuple[int, ...]], str], ShardedState]
 
 
 # --- agreement over the group -------------------------------------------------------------
@@ -75,7 +81,8 @@ def _common_bytes(common: dict | None, where: str) -> bytes:
     buffer = io.BytesIO()
     torch.save({} if common is None else common, buffer)
     try:
-        torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+        with allowing(COMMON_PT_GLOBALS):
+            torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
     except Exception as e:
         raise CheckpointError(
             f"checkpoint {where}: common state holds a type that weights_only loading refuses "
@@ -99,10 +106,12 @@ def save_sharded(
     *,
     group: dist.ProcessGroup | None,
     coordinator: bool,
+    objects: dict[str, bytes] | None = None,
 ) -> None:
-    """Write `shards` (this rank's pieces) and `common` (written by the coordinator) as a
-    `torch_dist` checkpoint at `directory`, atomically. Collective over `group`; exactly one
-    rank passes coordinator=True. Pieces of different ranks must tile each tensor exactly."""
+    """Write `shards` (this rank's pieces), `objects` (this rank's byte entries: each written
+    by one rank only) and `common` (written by the coordinator) as a `torch_dist` checkpoint
+    at `directory`, atomically. Collective over `group`; exactly one rank passes
+    coordinator=True. Pieces of different ranks must tile each tensor exactly."""
     directory = os.path.abspath(directory)
     rank = 0 if group is None else dist.get_rank(group)
 
@@ -134,7 +143,7 @@ def save_sharded(
             lambda: dcp.save(
                 {},
                 storage_writer=writer,
-                planner=ShardSavePlanner(shards, directory),
+                planner=ShardSavePlanner(shards, directory, objects),
                 process_group=group,
                 no_dist=group is None,
             ),
@@ -215,11 +224,17 @@ def sharded_keys(directory: str, *, require_checksums: bool = True) -> dict[str,
 
 
 def _plan_load(
-    directory: str, shards: ShardedState, require_checksums: bool
-) -> tuple[list, DtypeConversions]:
-    """Check every requested piece against the checkpoint, verify the files it will read."""
+    directory: str, shards: ShardedState, require_checksums: bool, fit: Fit | None
+) -> tuple[list, DtypeConversions, ShardedState]:
+    """Check every requested piece (after `fit`) against the checkpoint, verify the files it
+    will read."""
     metadata = read_metadata(directory, require_checksums=require_checksums)
     held = metadata.state_dict_metadata
+    if fit is not None:
+        shapes = {
+            k: tuple(md.size) for k, md in held.items() if isinstance(md, TensorStorageMetadata)
+        }
+        shards = fit(shards, shapes, directory)
     conversions: DtypeConversions = {}
     for fqn, pieces in shards.items():
         md = held.get(fqn)
@@ -259,7 +274,7 @@ def _plan_load(
                     f"the piece at {piece.offsets}"
                 )
     _verify(directory, sorted(files), require_checksums)
-    return items, conversions
+    return items, conversions, shards
 
 
 def load_sharded(
@@ -268,15 +283,20 @@ def load_sharded(
     *,
     group: dist.ProcessGroup | None,
     require_checksums: bool = True,
+    fit: Fit | None = None,
 ) -> DtypeConversions:
     """Fill every destination TensorShard of `shards` in place from the checkpoint, whatever
     split it was saved with. Collective over `group` (each rank asks for its own pieces).
+    `fit` adjusts the requested pieces to the checkpoint's global shapes first (e.g.
+    `layout_free.fit_vocabulary`: any vocabulary padding), its errors agreed like the rest.
     Returns the tensors whose dtype was converted: name -> (checkpoint dtype, model dtype)."""
     directory = os.path.abspath(directory)
-    planned, error = attempt(lambda: _plan_load(directory, shards, require_checksums), directory)
+    planned, error = attempt(
+        lambda: _plan_load(directory, shards, require_checksums, fit), directory
+    )
     agree(error, group)
     assert planned is not None
-    items, conversions = planned
+    items, conversions, shards = planned
     _dcp_call(
         lambda: dcp.load(
             {},
@@ -296,7 +316,7 @@ def load_common(directory: str, *, require_checksums: bool = True) -> dict:
     _check_directory(directory)
     path = os.path.join(directory, COMMON)
     _verify(directory, [COMMON], require_checksums)
-    common = safe_torch_load(path)
+    common = safe_torch_load(path, COMMON_PT_GLOBALS)
     if not isinstance(common, dict):
         raise CheckpointError(
             f"checkpoint file {path}: holds a {type(common).__name__}, not a dict"

@@ -28,13 +28,25 @@ def iteration_dir(save: str, iteration: int) -> str:
     return os.path.join(save, f"iter_{iteration:07d}")
 
 
+RELEASE = -1  # the tracker says `release`: a converted checkpoint in `release/`, weights only
+RELEASE_NAME = "release"
+
+
+def checkpoint_path(load: str, iteration: int) -> str:
+    """The directory of `iteration` under `load`: `iter_NNNNNNN`, or `release` for RELEASE."""
+    return (
+        os.path.join(load, RELEASE_NAME) if iteration == RELEASE else iteration_dir(load, iteration)
+    )
+
+
 def tracker_path(directory: str) -> str:
     """Where the tracker of a `--save`/`--load` directory lives."""
     return os.path.join(directory, TRACKER_NAME)
 
 
 def read_tracker(load: str) -> int | None:
-    """The latest checkpointed iteration under `load`; None when there is no tracker file."""
+    """The latest checkpointed iteration under `load` (RELEASE for Megatron's `release`); None
+    when there is no tracker file."""
     path = tracker_path(load)
     try:
         with open(path, encoding="utf-8") as f:
@@ -44,10 +56,7 @@ def read_tracker(load: str) -> int | None:
     except (OSError, UnicodeDecodeError) as e:
         raise CheckpointError(f"tracker file {path}: cannot read it ({e})") from None
     if text == "release":
-        raise CheckpointError(
-            f"tracker file {path}: says 'release' (a Megatron release checkpoint), which this "
-            "reader does not load; pass the iteration directory's checkpoint instead"
-        )
+        return RELEASE
     if not text.isdigit():
         raise CheckpointError(f"tracker file {path}: holds {text[:40]!r}, not an iteration number")
     return int(text)
@@ -119,11 +128,12 @@ def checkpoint_to_load(checkpoint: CheckpointConfig) -> int | None:
                 "latest_checkpointed_iteration.txt) and --exit-on-missing-checkpoint is set"
             )
         return None
-    directory = iteration_dir(checkpoint.load, iteration)
+    directory = checkpoint_path(checkpoint.load, iteration)
     if not os.path.isdir(directory):
+        named = "release" if iteration == RELEASE else f"iteration {iteration}"
         raise ConfigError(
-            f"--load {checkpoint.load}: latest_checkpointed_iteration.txt names iteration "
-            f"{iteration}, but {directory} does not exist"
+            f"--load {checkpoint.load}: latest_checkpointed_iteration.txt names {named}, "
+            f"but {directory} does not exist"
         )
     return iteration
 

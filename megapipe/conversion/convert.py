@@ -1,14 +1,18 @@
 """Rewrite a megapipe checkpoint (either format, any layout) for another layout and format.
 
 In one process, with no process group: the source is read into full logical tensors (the
-layout-free names and shapes of `layout_free`), target-layout models are built per rank with
+layout-free names and shapes of `layout_free`; the vocabulary tensors cut to the real rows,
+whatever the source layout's padding), target-layout models are built per rank with
 hand-made single-process groups, filled from the full tensors through
-`layout_free.model_shards(..., loading=True)` and written. Model weights only, as Megatron's
-converter: the optimizer and random states are dropped (the run's progress is kept).
+`layout_free.model_shards(..., loading=True)` and written (with the target layout's padding
+rows, Megatron-Core's `_extra_state` entries and Megatron-LM's `args`). Model weights only,
+as Megatron's converter: the optimizer and random states are dropped (the run's progress is
+kept).
 """
 
 from __future__ import annotations
 
+import argparse
 import ast
 import os
 import shutil
@@ -20,7 +24,14 @@ import torch
 from megapipe.checkpointing import atomic_dir
 from megapipe.checkpointing import legacy_torch as legacy
 from megapipe.checkpointing.errors import CheckpointError
-from megapipe.checkpointing.layout_free import model_shards
+from megapipe.checkpointing.layout_free import (
+    extra_state_entries,
+    fit_vocabulary,
+    is_vocabulary,
+    model_shards,
+    saved_vocab_size,
+)
+from megapipe.checkpointing.megatron_args import converted_namespace, saved_arguments
 from megapipe.checkpointing.run_state import CHECKPOINT_VERSION, Progress
 from megapipe.checkpointing.shards import ShardedState, TensorShard
 from megapipe.checkpointing.torch_dist import (
@@ -29,7 +40,12 @@ from megapipe.checkpointing.torch_dist import (
     read_metadata,
     save_sharded,
 )
-from megapipe.checkpointing.tracker import iteration_dir, read_tracker, write_tracker
+from megapipe.checkpointing.tracker import (
+    checkpoint_path,
+    iteration_dir,
+    read_tracker,
+    write_tracker,
+)
 from megapipe.config import ModelConfig
 from megapipe.errors import ConfigError
 from megapipe.model.gpt import GPTModel
@@ -40,7 +56,14 @@ from megapipe.pipeline.partition import partition_layers
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 Say = Callable[[str], None]
 # ModelConfig fields newer than some saved checkpoints, with the value those runs had.
-ADDED_LATER = {"openai_gelu": False}
+ADDED_LATER = {
+    "openai_gelu": False,
+    "kv_channels": None,
+    "qk_layernorm": False,
+    "rotary_percent": 1.0,
+    "squared_relu": False,
+    "apply_residual_connection_post_layernorm": False,
+}
 
 
 @dataclass
@@ -84,7 +107,7 @@ def resolve(load_dir: str, flag: str = "--load-dir") -> tuple[str, int]:
     iteration = read_tracker(load_dir)
     if iteration is None:
         raise CheckpointError(f"{flag} {load_dir}: no latest_checkpointed_iteration.txt")
-    directory = iteration_dir(load_dir, iteration)
+    directory = checkpoint_path(load_dir, iteration)  # iter_N, or release/ for RELEASE
     if not os.path.isdir(directory):
         raise CheckpointError(f"{flag} {load_dir}: {directory} does not exist")
     return directory, iteration
@@ -95,21 +118,27 @@ def _is_model_key(key: str) -> bool:
 
 
 def read_torch_dist(directory: str) -> Source:
-    """Every model tensor of a torch_dist checkpoint, whole, in its saved dtype."""
+    """Every model tensor of a torch_dist checkpoint, whole, in its saved dtype (vocabulary
+    tensors without the saving layout's padding rows)."""
     common = load_common(directory)
     held = read_metadata(directory).state_dict_metadata
+    saved = {k: tuple(md.size) for k, md in held.items() if hasattr(md, "size")}
+    if WORD_EMBEDDING not in saved:
+        raise CheckpointError(f"checkpoint {directory}: no {WORD_EMBEDDING}")
+    vocab = saved_vocab_size(common, saved)
     tensors, shards = {}, {}
     for key, md in held.items():
         if not _is_model_key(key) or not hasattr(md, "size"):
             continue
-        tensor = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        shape = tuple(md.size)
+        if is_vocabulary(key):
+            shape = (vocab, *shape[1:])
+        tensor = torch.empty(shape, dtype=md.properties.dtype)
         tensors[key] = tensor
-        shards[key] = [TensorShard(tensor, (0,) * tensor.dim(), tuple(tensor.shape))]
-    load_sharded(directory, shards, group=None)
-    if WORD_EMBEDDING not in tensors:
-        raise CheckpointError(f"checkpoint {directory}: no {WORD_EMBEDDING}")
-    args = dict(common.get("args", {}))
-    config = model_config_from_args(args, tensors[WORD_EMBEDDING].shape[0])
+        shards[key] = [TensorShard(tensor, (0,) * tensor.dim(), shape)]
+    load_sharded(directory, shards, group=None, fit=fit_vocabulary)
+    args = saved_arguments(common)
+    config = model_config_from_args(args, vocab)
     return Source(directory, "torch_dist", tensors, args, Progress.from_dict(common), config)
 
 
@@ -179,7 +208,7 @@ def read_legacy(directory: str, say: Say = print) -> Source:
     first = None
     for t, p, sub, data in _legacy_files(directory):
         first = first or data
-        config = model_config_from_args(data["args"], int(data["true_vocab_size"]))
+        config = model_config_from_args(saved_arguments(data), int(data["true_vocab_size"]))
         layout = data["layout"]
         ranges = [range(a, b) for a, b in data["layer_ranges"]]
         source_tp = layout["tensor_model_parallel_size"]
@@ -206,9 +235,11 @@ def read_legacy(directory: str, say: Say = print) -> Source:
                 f"checkpoint {directory}: tensor {name}: the mp_rank files hold {filled[name]} "
                 f"of its {full.numel()} elements"
             )
+        if is_vocabulary(name):  # the source layout's padding rows are not the model's
+            tensors[name] = full[: config.vocab_size]
     assert first is not None
     progress = Progress.from_dict(first["opt_param_scheduler"])
-    return Source(directory, "torch", tensors, dict(first["args"]), progress, config)
+    return Source(directory, "torch", tensors, saved_arguments(first), progress, config)
 
 
 def _region(full: torch.Tensor, shard: TensorShard) -> torch.Tensor:
@@ -297,6 +328,13 @@ def write_source(
         "virtual_pipeline_model_parallel_size": 1,
     }
     target = os.path.abspath(iteration_dir(save_dir, iteration))
+    namespace = converted_namespace(
+        args,
+        source.config,
+        layout,
+        iteration=source.progress.iteration,
+        consumed_train_samples=source.progress.consumed_samples,
+    )
     if fmt == "torch_dist":
         shards: ShardedState = {}
         for p in range(pp):
@@ -316,11 +354,15 @@ def write_source(
             "has_rng": False,
             "loss_scaler": {},
             "layout": layout,
-            "args": args,
+            "args": namespace,
+            "megapipe_args": args,
+            "true_vocab_size": source.config.vocab_size,
         }
-        save_sharded(target, shards, common, group=None, coordinator=True)
+        layers = source.config.num_layers
+        objects = extra_state_entries(range(layers), layers)
+        save_sharded(target, shards, common, group=None, coordinator=True, objects=objects)
     else:
-        _write_legacy(source, target, tp, pp, ranges, args, layout, say)
+        _write_legacy(source, target, tp, pp, ranges, args, namespace, layout, say)
     write_tracker(save_dir, iteration)
     say(f" wrote {target} (TP {tp} x PP {pp}, {fmt}); tracker at iteration {iteration}")
     return target
@@ -333,6 +375,7 @@ def _write_legacy(
     pp: int,
     ranges: list[range],
     args: dict[str, str],
+    namespace: argparse.Namespace,
     layout: dict[str, int],
     say: Say,
 ) -> None:
@@ -353,6 +396,7 @@ def _write_legacy(
                         layout,
                         [[ranges[p].start, ranges[p].stop]],
                         source.config.vocab_size,
+                        namespace,
                     ),
                 }
                 legacy.write_file(os.path.join(temp, sub, legacy.MODEL_FILE), data)

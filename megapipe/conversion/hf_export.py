@@ -31,8 +31,10 @@ from megapipe.checkpointing import atomic_dir
 from megapipe.checkpointing.errors import CheckpointError
 from megapipe.checkpointing.hf_safetensors import DEFAULT_MAX_SHARD_SIZE, parse_size, write_weights
 from megapipe.checkpointing.hf_tokenizer import eod_id, write_tokenizer_files
+from megapipe.checkpointing.tracker import RELEASE
 from megapipe.config import ModelConfig
-from megapipe.conversion.convert import Say, Source, read_source, resolve
+from megapipe.conversion.convert import Say, Source, resolve
+from megapipe.conversion.megatron_lm_source import read_any
 from megapipe.errors import ConfigError
 
 L = "decoder.layers."
@@ -58,6 +60,15 @@ def _refuse(what: str, why: str) -> None:
 
 def architecture(config: ModelConfig) -> str:
     """ "gpt2" or "llama" for this model; ConfigError naming the flags that fit neither."""
+    if config.qk_layernorm:
+        _refuse("--qk-layernorm", "GPT-2 and Llama have no query/key norms")
+    if config.squared_relu:
+        _refuse("--squared-relu", "GPT-2's MLP uses GeLU, Llama's SwiGLU")
+    if config.apply_residual_connection_post_layernorm:
+        _refuse(
+            "--apply-residual-connection-post-layernorm",
+            "GPT-2 and Llama add the norm's input to the residual stream",
+        )
     if config.position_embedding_type == "learned_absolute":
         arch = "GPT2LMHeadModel (the architecture of learned positions)"
         if config.normalization != "LayerNorm":
@@ -72,6 +83,9 @@ def architecture(config: ModelConfig) -> str:
             _refuse(what, arch + " ties them")
         if config.num_query_groups != config.num_attention_heads:
             _refuse("--group-query-attention with learned positions", arch + " has no GQA")
+        if config.head_dim * config.num_attention_heads != config.hidden_size:
+            what = f"--kv-channels {config.kv_channels} with learned positions"
+            _refuse(what, arch + " has heads of hidden size / heads")
         return "gpt2"
     if config.position_embedding_type == "rope":
         arch = "LlamaForCausalLM (the architecture of rotary positions)"
@@ -80,6 +94,9 @@ def architecture(config: ModelConfig) -> str:
             _refuse(what, arch + " uses RMSNorm")
         if not config.swiglu:
             _refuse("rotary positions without --swiglu", arch + " uses SwiGLU")
+        if config.rotary_percent != 1.0:
+            what = f"--rotary-percent {config.rotary_percent}"
+            _refuse(what, arch + " rotates whole heads")
         return "llama"
     _refuse(
         f"--position-embedding-type {config.position_embedding_type}",
@@ -269,8 +286,9 @@ def export_hf(
     say: Say = print,
     max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
 ) -> str:
-    """Export the latest checkpoint of megapipe `load_dir` to transformers directory `save_dir`
-    (weights sharded above `max_shard_size`: bytes, or "5GB", "500MB")."""
-    directory, _ = resolve(load_dir)
+    """Export the latest checkpoint of `load_dir` (megapipe's or Megatron-LM's) to transformers
+    directory `save_dir` (weights sharded above `max_shard_size`: bytes, or "5GB", "500MB")."""
+    directory, iteration = resolve(load_dir)
     say(f" reading {directory}")
-    return export_source(read_source(directory, say), save_dir, say, max_shard_size)
+    source = read_any(directory, iteration == RELEASE, say)  # megapipe's, or Megatron-LM's
+    return export_source(source, save_dir, say, max_shard_size)

@@ -97,8 +97,13 @@ def _model_config(hf: dict, directory: str) -> ModelConfig:
         if float(theta) != int(theta):
             raise ConfigError(f"{directory}: rope_theta {theta} is not an integer --rotary-base")
         h, heads = hf["hidden_size"], hf["num_attention_heads"]
-        if hf.get("head_dim", h // heads) != h // heads:
-            raise ConfigError(f"{directory}: head_dim {hf['head_dim']} is not hidden/heads")
+        head_dim = hf.get("head_dim") or h // heads
+        kv_channels = None if head_dim * heads == h else head_dim  # --kv-channels
+        partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+        if float(partial) != 1.0:
+            raise ConfigError(
+                f"{directory}: partial_rotary_factor {partial}: Llama rotates whole heads"
+            )
         if bool(hf.get("attention_bias", False)) != bool(hf.get("mlp_bias", False)):
             raise ConfigError(f"{directory}: attention_bias != mlp_bias (one --add-bias-linear)")
         groups = hf.get("num_key_value_heads") or heads
@@ -111,6 +116,7 @@ def _model_config(hf: dict, directory: str) -> ModelConfig:
             max_position_embeddings=hf["max_position_embeddings"],
             ffn_hidden_size=hf["intermediate_size"],
             num_query_groups=groups,
+            kv_channels=kv_channels,
             position_embedding_type="rope",
             rotary_base=int(theta),
             normalization="RMSNorm",

@@ -28,6 +28,7 @@ from megapipe.distributed.optimizer import (
     Piece,
     ShardedOptimizer,
     inner_optimizer,
+    param_groups,
 )
 from megapipe.parallel.state import ParallelState
 
@@ -44,6 +45,8 @@ class FSDPOptimizer(ShardedOptimizer):
         config: OptimizerConfig,
         lr: float,
         scaler=None,
+        *,
+        decoupled: bool = False,
     ) -> None:
         self.buffers = []  # no GradBuffer: FSDP2 owns the gradients
         self.state, self.config, self.scaler = state, config, scaler
@@ -62,7 +65,8 @@ class FSDPOptimizer(ShardedOptimizer):
         self._copy_back = False  # the masters are the fp32 shards themselves
         self._runs, self._master_runs = [], []
         self._grad_runs, self._norm_runs, self._uncounted_runs = [], [], []
-        self.inner = inner_optimizer(self.masters, self.params, config, lr)
+        self.inner = inner_optimizer(self.masters, self.params, config, lr, decoupled)
+        self.roles = [role for role, _ in param_groups(self.params, decoupled)]
 
     @property
     def sharded(self) -> bool:
@@ -93,9 +97,9 @@ class FSDPOptimizer(ShardedOptimizer):
         self._norm_runs = [g for g, counted in zip(grads, self._counted) if counted]
         self._uncounted_runs = [g for g, counted in zip(grads, self._counted) if not counted]
 
-    def step(self, lr: float):
+    def step(self, lr: float, decoupled_lr: float | None = None):
         self._refresh_grads()
-        return super().step(lr)
+        return super().step(lr, decoupled_lr)
 
     def grad_norm(self) -> float:
         if not self._grad_runs:

@@ -66,6 +66,39 @@ def _decays(param: torch.nn.Parameter) -> bool:
     return param.dim() > 1
 
 
+def _embedding_or_output(param: torch.nn.Parameter) -> bool:
+    """Megatron's `is_embedding_or_output_parameter` (`ParamMeta.embedding_or_output`)."""
+    meta = getattr(param, "meta", None)
+    return bool(meta is not None and meta.embedding_or_output)
+
+
+@dataclass(frozen=True)
+class GroupRole:
+    """What one param group of the inner optimizer is: decayed or not, and whether
+    --decoupled-lr's schedule drives it (the embedding and output layer's groups)."""
+
+    decays: bool
+    decoupled: bool = False
+
+
+def param_groups(
+    params: list[torch.nn.Parameter], decoupled: bool = False
+) -> list[tuple[GroupRole, list[int]]]:
+    """The groups (indices into `params`, empty groups left out): decayed, then not; with
+    `decoupled` (--decoupled-lr) the embedding and output layer's apart, after the others."""
+    groups = []
+    for own_lr in (False, True) if decoupled else (False,):
+        for decays in (True, False):
+            members = [
+                i
+                for i, p in enumerate(params)
+                if _decays(p) == decays and (not decoupled or _embedding_or_output(p) == own_lr)
+            ]
+            if members:
+                groups.append((GroupRole(decays, own_lr), members))
+    return groups
+
+
 def _adamw(groups: list[dict], lr: float, config: OptimizerConfig) -> torch.optim.Optimizer:
     """torch's fused AdamW: one pass over each tensor, on GPUs and CPUs alike.
 
@@ -83,20 +116,17 @@ def inner_optimizer(
     params: list[torch.nn.Parameter],
     config: OptimizerConfig,
     lr: float,
+    decoupled: bool = False,
 ) -> torch.optim.Optimizer:
     """torch's AdamW (or SGD) over the fp32 masters, each decayed by the rule for the parameter
-    it stands for (`params[i]`)."""
+    it stands for (`params[i]`), in the groups `param_groups(params, decoupled)` gives."""
     groups = [
         {
-            "params": [m for m, p in zip(masters, params) if _decays(p)],
-            "weight_decay": config.weight_decay,
-        },
-        {
-            "params": [m for m, p in zip(masters, params) if not _decays(p)],
-            "weight_decay": 0.0,
-        },
+            "params": [masters[i] for i in members],
+            "weight_decay": config.weight_decay if role.decays else 0.0,
+        }
+        for role, members in param_groups(params, decoupled)
     ]
-    groups = [g for g in groups if g["params"]]
     if config.optimizer == "adam":
         return _adamw(groups, lr, config)
     return torch.optim.SGD(groups, lr=lr, momentum=config.sgd_momentum)
@@ -156,7 +186,11 @@ class ShardedOptimizer:
         config: OptimizerConfig,
         lr: float,
         scaler=None,
+        *,
+        decoupled: bool = False,
     ) -> None:
+        """`decoupled` (--decoupled-lr): the embedding and output layer in groups of their
+        own, whose learning rate `step` sets apart."""
         self.buffers, self.state, self.config, self.scaler = buffers, state, config, scaler
         # The last iterations' losses, which --check-for-spiky-loss compares a loss against
         # (kept here, beside the loss scaler, as the state the step carries between iterations).
@@ -193,7 +227,9 @@ class ShardedOptimizer:
                 master = self._master_runs[index][piece.lo - lo : piece.hi - lo]
             master.grad = piece.buffer.grad_data[piece.lo : piece.hi]
             self.masters.append(master)
-        self.inner = inner_optimizer(self.masters, [p.param for p in self.pieces], config, lr)
+        params = [p.param for p in self.pieces]
+        self.inner = inner_optimizer(self.masters, params, config, lr, decoupled)
+        self.roles = [role for role, _ in param_groups(params, decoupled)]  # per inner group
 
     @property
     def has_separate_masters(self) -> bool:
@@ -239,13 +275,40 @@ class ShardedOptimizer:
         total = sum_of_squares(self._norm_runs, self.state.device)
         if self._uncounted_runs:
             total += 0.0 * sum_of_squares(self._uncounted_runs, self.state.device)
+        return math.sqrt(self._whole_model_sum(total))
+
+    def _whole_model_sum(self, total: torch.Tensor) -> float:
+        """This rank's float64 sum over the elements it counts -> the whole model's (collective):
+        over the world when sharded, else the model-parallel group; replicas divided out."""
         group = self.state.world if self.sharded else self.state.model_parallel
         if group.size > 1:
             dist.all_reduce(total, group=group.pg)
-        return math.sqrt(float(total) / self.norm_replicas)
+        return float(total) / self.norm_replicas
 
-    def step(self, lr: float) -> StepOutcome:
-        """Update the parameters from their main grads (already finalized over TP/PP/DP).
+    def params_norm(self) -> float:
+        """L2 norm of the whole model's fp32 master weights (--log-params-norm), each element
+        counted once exactly as `grad_norm` counts the gradient's; same on every rank."""
+        tp_rank = self.state.tp.rank
+        pairs = zip(self.masters, self.pieces)
+        counted = [m for m, piece in pairs if counted_in_norm(piece.param, tp_rank)]
+        return math.sqrt(self._whole_model_sum(sum_of_squares(counted, self.state.device)))
+
+    def num_zeros_in_grad(self) -> float:
+        """Zero elements of the whole model's fp32 gradient (--log-num-zeros-in-grad), counted
+        as `grad_norm` counts; call it after `step` and before `zero_grad`."""
+        zeros = sum(g.numel() - int(torch.count_nonzero(g)) for g in self._norm_runs)
+        total = torch.tensor(float(zeros), dtype=torch.float64, device=self.state.device)
+        return self._whole_model_sum(total)
+
+    def set_weight_decay(self, weight_decay: float) -> None:
+        """The decayed groups' weight decay (a resumed schedule's, which may not be the
+        flag's: --use-checkpoint-opt_param-scheduler)."""
+        for group, role in zip(self.inner.param_groups, self.roles, strict=True):
+            group["weight_decay"] = weight_decay if role.decays else 0.0
+
+    def step(self, lr: float, decoupled_lr: float | None = None) -> StepOutcome:
+        """Update the parameters from their main grads (already finalized over TP/PP/DP), at
+        `lr`, the embedding and output layer at `decoupled_lr` when given (--decoupled-lr).
 
         With `config.check_for_nan_in_loss_and_grad` and no loss scaler, a non-finite norm
         raises NonFiniteGradient (on every rank: the norm is all-reduced) before anything is
@@ -267,8 +330,8 @@ class ShardedOptimizer:
             coefficient = self.config.clip_grad / (norm + 1e-6)
             if coefficient < 1.0:
                 torch._foreach_mul_(grads, coefficient)
-        for group in self.inner.param_groups:
-            group["lr"] = lr
+        for group, role in zip(self.inner.param_groups, self.roles, strict=True):
+            group["lr"] = decoupled_lr if role.decoupled and decoupled_lr is not None else lr
         self.inner.step()
         for run, master in zip(self._runs, self._master_runs):
             run.values().copy_(master)

@@ -2,9 +2,10 @@
 
 The model's shape comes from the arguments saved in the checkpoint, so `--load DIR` is all a
 user gives. `torch_dist` checkpoints load layout-free and sharded (each rank reads only its
-pieces); Megatron's legacy `torch` format is read whole on each rank and split (it is stored
-per saved rank, which need not be this job's). Sequence parallelism and dropout are off:
-neither changes the weights, and one-token steps cannot split a sequence.
+pieces); Megatron's legacy `torch` format, and any checkpoint Megatron-LM wrote, is read whole
+on each rank and split (it is stored per saved rank, which need not be this job's). Sequence
+parallelism and dropout are off: neither changes the weights, and one-token steps cannot split
+a sequence.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
-from megapipe.checkpointing import legacy_torch
+from megapipe.checkpointing import legacy_torch, megatron_lm
 from megapipe.checkpointing.errors import CheckpointError
-from megapipe.checkpointing.layout_free import model_shards
+from megapipe.checkpointing.layout_free import fit_vocabulary, model_shards, saved_vocab_size
+from megapipe.checkpointing.megatron_args import saved_arguments
 from megapipe.checkpointing.torch_dist import load_common, load_sharded, read_metadata
-from megapipe.checkpointing.tracker import iteration_dir, saved_listing
+from megapipe.checkpointing.tracker import RELEASE_NAME, iteration_dir, saved_listing
 from megapipe.config import ModelConfig
 from megapipe.conversion.convert import (
     WORD_EMBEDDING,
@@ -29,6 +31,7 @@ from megapipe.conversion.convert import (
     read_legacy,
     resolve,
 )
+from megapipe.conversion.megatron_lm_source import read_any
 from megapipe.model.gpt import GPTModel
 from megapipe.parallel.random import RNGTracker
 from megapipe.parallel.state import ParallelState
@@ -86,16 +89,23 @@ def load_inference_model(
         )
     directory = checkpoint_directory(load_dir, ckpt_step)
     source = None
-    if legacy_torch.is_legacy(directory):
+    if megatron_lm.is_megatron_lm(directory):  # read whole, real vocabulary rows only
+        release = os.path.basename(os.path.normpath(directory)) == RELEASE_NAME
+        source = read_any(directory, release, say)
+        config, args = source.config, source.args
+        saved_dtype = source.tensors[WORD_EMBEDDING].dtype
+    elif legacy_torch.is_legacy(directory):
         source = read_legacy(directory, say)
         config, args = source.config, source.args
         saved_dtype = source.tensors[WORD_EMBEDDING].dtype
     else:
-        args = dict(load_common(directory).get("args", {}))
+        common = load_common(directory)
+        args = saved_arguments(common)
         held = read_metadata(directory).state_dict_metadata
         if WORD_EMBEDDING not in held:
             raise CheckpointError(f"checkpoint {directory}: no {WORD_EMBEDDING}")
-        config = model_config_from_args(args, held[WORD_EMBEDDING].size[0])
+        saved = {k: tuple(md.size) for k, md in held.items() if hasattr(md, "size")}
+        config = model_config_from_args(args, saved_vocab_size(common, saved))
         saved_dtype = held[WORD_EMBEDDING].properties.dtype
     ranges = check_target(config, state.tp.size, state.pp.size)
     rng = RNGTracker(1234, state.tp_rank, state.pp_rank, state.device)
@@ -106,7 +116,7 @@ def load_inference_model(
     else:
         named = list(model.named_parameters())
         wanted = model_shards(named, state.tp_rank, state.tp.size, config.num_layers, loading=True)
-        load_sharded(directory, wanted, group=state.world.pg)
+        load_sharded(directory, wanted, group=state.world.pg, fit=fit_vocabulary)
     dtype = dtype or saved_dtype
     model.to(dtype)
     model.eval()

@@ -27,6 +27,8 @@ class ParamMeta:
         tied word embedding): initialised from that name, and counted once in the grad norm.
     sequence_parallel: the replica sees only this rank's sequence shard, so its gradient is
         partial and must be summed over TP before the optimizer step.
+    embedding_or_output: the word embedding or the output layer's weight (a tied copy too):
+        Megatron's `is_embedding_or_output_parameter`, which --decoupled-lr's schedule drives.
     """
 
     full_shape: tuple[int, ...]
@@ -37,6 +39,7 @@ class ParamMeta:
     init_rows: int | None = None
     copy_of: str | None = None
     sequence_parallel: bool = False
+    embedding_or_output: bool = False
 
     @property
     def is_tensor_parallel(self) -> bool:

@@ -12,12 +12,15 @@ masks and an unfused softmax):
     replicated (without SP):  2 sbh (the two norms' inputs) + 2 sbh (the inputs of the
                               column-parallel QKV and fc1, gathered across TP)
     split over TP:            sb(a + 2g)d / t  (q, k, v: one fused QKV output)
-                            + sbh / t          (SDPA's output, which its backward reads; the
-                                                output projection's input is a view of it)
+                            + sbad / t         (SDPA's output, which its backward reads; the
+                                                output projection's input is a view of it;
+                                                ad = h unless --kv-channels says otherwise)
                             + 2 sbf / t        (the GeLU's input and fc2's input)
     small, in fp32:           a s b / t        (SDPA's log-sum-exp)
                             + 2 x 2 sb         (LayerNorm's mean and 1/std; RMSNorm: 1 sb each)
 
+    with --qk-layernorm:      + sb(a + g)d / t (the q and k norms' outputs, which SDPA keeps)
+                              + 2 x sb(a + g) / t in fp32 (their mean and 1/std; RMSNorm: 1)
     with hidden dropout:      + 2 sbh          (the two keep-masks, in the activation dtype)
     with attention dropout:   + a s^2 b / t x (4 bytes + 2 elements), + s^2 bytes, - the LSE
     from layout-invariant     (the sample-keyed masks need the unfused attention: its fp32
@@ -88,7 +91,9 @@ def layer_activation_bytes(
     norm = local_s * b * h * dtype_bytes + norm_stats * local_s * b * 4  # input + fp32 stats
     column_input = s * b * h // (tp if sp else 1) * dtype_bytes
     qkv = s * b * (a + 2 * g) * d // tp * dtype_bytes
-    out = s * b * h // tp * dtype_bytes  # SDPA's output = the projection's input
+    out = s * b * a * d // tp * dtype_bytes  # SDPA's output = the projection's input
+    if config.qk_layernorm:  # the q and k norms' outputs and fp32 statistics
+        out += s * b * (a + g) // tp * (d * dtype_bytes + norm_stats * 4)
     core = a * s * b // tp * 4  # SDPA's log-sum-exp
     if config.attention_dropout > 0 and not attention_dropout_fused:  # sample-keyed masks
         core = a * s * s * b // tp * (4 + 2 * dtype_bytes) + s * s

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from megapipe.config import ModelConfig
 from megapipe.layers.linear import ColumnParallelLinear, RowParallelLinear
+from megapipe.layers.norms import build_norm
 from megapipe.model.attention_backends import (
     FLASH_ATTN,
     LAYOUT_INVARIANT,
@@ -40,7 +41,8 @@ from megapipe.parallel.state import Group
 
 
 class SelfAttention(torch.nn.Module):
-    """QKV projection -> (rotary) -> scaled_dot_product_attention -> output projection.
+    """QKV projection -> (q/k norms) -> (rotary) -> scaled_dot_product_attention -> output
+    projection.
 
     The fused QKV weight uses Megatron's layout, grouped per query group:
     [group 0: q_0..q_{k-1}, k, v | group 1: ...] with k = heads / groups, so a contiguous TP
@@ -91,6 +93,15 @@ class SelfAttention(torch.nn.Module):
             skip_bias_add=True,
             sequence_parallel=sequence_parallel,
         )
+        # --qk-layernorm: one norm over the head dim for all query heads, one for all key
+        # heads, replicated over TP. Each rank normalises only its own heads, so the weights'
+        # gradients are partial sums: marked like sequence-parallel norms, summed over TP.
+        self.q_layernorm = self.k_layernorm = None
+        if config.qk_layernorm:
+            partial_grads = tp.size > 1
+            eps = config.layernorm_epsilon
+            self.q_layernorm = build_norm(config.normalization, self.head_dim, eps, partial_grads)
+            self.k_layernorm = build_norm(config.normalization, self.head_dim, eps, partial_grads)
 
     def forward(
         self,
@@ -115,6 +126,8 @@ class SelfAttention(torch.nn.Module):
         qkv = qkv.view(s, b, self.local_groups, self.queries_per_group + 2, self.head_dim)
         q = qkv[:, :, :, : self.queries_per_group].reshape(s, b, self.local_heads, self.head_dim)
         k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]
+        if self.q_layernorm is not None:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         offset = kv_cache.offset if kv_cache is not None else 0
         if rotary is not None:
             q, k = rotary(q, offset), rotary(k, offset)

@@ -8,6 +8,7 @@ initialisation, checkpoints and parity checks layout-independent.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -228,6 +229,7 @@ class GPTModel(torch.nn.Module):
                 config.max_position_embeddings,
                 config.rotary_base,
                 fused(choices, "rotary"),
+                rotary_dim=config.rotary_dim,
             )
             if config.position_embedding_type == "rope"
             else None
@@ -267,6 +269,7 @@ class GPTModel(torch.nn.Module):
                 sequence_parallel=self.sequence_parallel,
                 weight=weight,
             )
+        self._mark_embedding_and_output()
         initialize_parameters(self, seed, tp.rank, tp.size)
         self.to(state.device)
 
@@ -335,6 +338,15 @@ class GPTModel(torch.nn.Module):
             tp_size=self.tp.size,
             sequence_parallel=self.sequence_parallel,
         )
+
+    def _mark_embedding_and_output(self) -> None:
+        """Megatron's `is_embedding_or_output_parameter` (the parameters --decoupled-lr
+        drives): the word embedding and the output layer's weight, a tied copy included."""
+        marked = [self.embedding.word_embeddings.weight] if self.embedding is not None else []
+        if self.output_layer is not None:
+            marked.append(self.output_layer.weight)
+        for param in marked:
+            param.meta = dataclasses.replace(param.meta, embedding_or_output=True)
 
     def shared_word_embedding(self) -> torch.nn.Parameter | None:
         """The tied word-embedding weight this stage holds, if any (for the embedding group)."""

@@ -1,6 +1,8 @@
-"""The feed-forward block: column-parallel fc1 -> GeLU or SwiGLU -> row-parallel fc2.
+"""The feed-forward block: column-parallel fc1 -> GeLU, SwiGLU or squared ReLU ->
+row-parallel fc2.
 
-GeLU is the exact erf one, or GPT-2's tanh approximation with --openai-gelu.
+GeLU is the exact erf one, or GPT-2's tanh approximation with --openai-gelu. Squared ReLU
+(--squared-relu) is relu(x)^2, plain torch (no fused kernel takes it).
 """
 
 from __future__ import annotations
@@ -28,10 +30,12 @@ class MLP(torch.nn.Module):
         kernels: KernelChoices | None = None,
     ) -> None:
         super().__init__()
-        self.swiglu = config.swiglu
+        self.swiglu, self.squared_relu = config.swiglu, config.squared_relu
         self.gelu_approximate = "tanh" if config.openai_gelu else "none"
         # a fused bias + activation kernel takes fc1's bias itself
         self.fused_activation = fused(kernels, "swiglu" if config.swiglu else "bias_gelu")
+        if config.squared_relu:
+            self.fused_activation = None
         fc1_size = config.ffn_hidden_size * (2 if config.swiglu else 1)
         self.linear_fc1 = ColumnParallelLinear(
             config.hidden_size,
@@ -63,6 +67,8 @@ class MLP(torch.nn.Module):
         elif self.swiglu:
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
+        elif self.squared_relu:
+            h = torch.square(F.relu(h))
         else:
             h = F.gelu(h, approximate=self.gelu_approximate)
         return self.linear_fc2(h)

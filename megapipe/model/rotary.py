@@ -1,4 +1,8 @@
-"""Rotary position embeddings (RoPE), Megatron's non-interleaved "rotate half" form."""
+"""Rotary position embeddings (RoPE), Megatron's non-interleaved "rotate half" form.
+
+With --rotary-percent below 1 only the first `rotary_dim` dims of each head rotate (angles
+computed over that dim, as Megatron-Core's), and the rest pass through unchanged.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ from megapipe.kernels.rotary import rotary_reference
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """cos/sin tables shaped [s, 1, 1, head_dim], built for `max_positions` positions.
+    """cos/sin tables shaped [s, 1, 1, rotary_dim], built for `max_positions` positions.
 
     RoPE has no learned table, so `max_positions` (--max-position-embeddings) is only the
     table's first size: a longer sequence (Megatron lets --seq-length exceed it under rope)
@@ -29,16 +33,23 @@ class RotaryEmbedding(torch.nn.Module):
         max_positions: int,
         base: int = 10000,
         kernel: Callable[..., torch.Tensor] | None = None,
+        rotary_dim: int | None = None,
     ) -> None:
-        """kernel: a fused rotary (x, cos, sin, offset) -> rotated x, or None for plain torch."""
+        """kernel: a fused rotary (x, cos, sin, offset) -> rotated x, or None for plain torch;
+        rotary_dim: the leading dims of a head to rotate (None: all of `head_dim`). The
+        tables are `rotary_dim` wide; a partial rotation runs the plain-torch path."""
         super().__init__()
-        self.head_dim, self.base, self.kernel = head_dim, base, kernel
+        rotary_dim = head_dim if rotary_dim is None else rotary_dim
+        if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+            raise ValueError(f"rotary_dim {rotary_dim} must be even and in (0, {head_dim}]")
+        self.head_dim, self.rotary_dim, self.base = head_dim, rotary_dim, base
+        self.kernel = kernel if rotary_dim == head_dim else None  # kernels rotate whole heads
         cos, sin = self._tables(max_positions, torch.device("cpu"))
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
     def _tables(self, positions: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim
+        exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.float64) / self.rotary_dim
         inv_freq = 1.0 / (self.base**exponents)
         angles = torch.outer(torch.arange(positions, dtype=torch.float64), inv_freq)
         angles = torch.cat([angles, angles], dim=-1)[:, None, None, :]
@@ -61,4 +72,7 @@ class RotaryEmbedding(torch.nn.Module):
             self.cos, self.sin = self._tables(end, self.cos.device)
         if self.kernel is not None:
             return self.kernel(x, self.cos, self.sin, offset)
+        if self.rotary_dim < x.shape[-1]:
+            rotated = rotary_reference(x[..., : self.rotary_dim], self.cos, self.sin, offset)
+            return torch.cat([rotated, x[..., self.rotary_dim :]], dim=-1)
         return rotary_reference(x, self.cos, self.sin, offset)

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from megapipe.config import KernelConfig, ModelConfig
+from megapipe.errors import ConfigError
 from megapipe.kernels.transformer_engine import (
     FP8Scope,
     fp8_autocast,
@@ -258,6 +259,12 @@ def use_transformer_engine(
     """Replace a built TransformerLayer's linears and norms by TE modules, in place; each TE
     parameter takes the ParamMeta of the megapipe parameter it replaces. fp8_scope: the
     chunk's (default: one of the layer's own, `chunk_fp8_scope`)."""
+    if config.apply_residual_connection_post_layernorm:  # the fused norm's output is not kept
+        raise ConfigError(
+            "--apply-residual-connection-post-layernorm with --transformer-impl "
+            "transformer_engine: TE fuses the norm into the QKV and fc1 linears, so its output "
+            "is not there to add; use --transformer-impl local"
+        )
     specs = te_layer_specs(
         config,
         tp.size,

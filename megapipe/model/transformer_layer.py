@@ -1,4 +1,9 @@
-"""One pre-norm decoder layer: x + drop(attn(norm(x))), then x + drop(mlp(norm(x)))."""
+"""One pre-norm decoder layer: x + drop(attn(norm(x))), then x + drop(mlp(norm(x))).
+
+With --apply-residual-connection-post-layernorm each residual is the norm's output instead:
+n + drop(attn(n)) with n = norm(x), likewise for the MLP. The norm's output is a sequence
+shard under sequence parallelism, as x is, so the residual add stays local either way.
+"""
 
 from __future__ import annotations
 
@@ -72,6 +77,7 @@ class TransformerLayer(torch.nn.Module):
         self.layer_number = layer_number
         self.recompute_mlp = recompute.selective("mlp")
         self.hidden_dropout = config.hidden_dropout
+        self.residual_post_norm = config.apply_residual_connection_post_layernorm
         # Megatron scales the init of layers that write into the residual stream.
         output_std = config.init_method_std / math.sqrt(2.0 * config.num_layers)
         sp = sequence_parallel and tp.size > 1
@@ -124,16 +130,18 @@ class TransformerLayer(torch.nn.Module):
             drop = partial(dropout_masks.hidden, p=p, layer=self.layer_number)
             drop_attention = partial(drop, site="attention_output")
             drop_mlp = partial(drop, site="mlp_output")
-        out, bias = self.self_attention(
-            self.input_layernorm(x), rotary, attention_mask, dropout_masks, kv_cache
-        )
-        x = self._residual(out, bias, x, dropout_masks, "attention_output", drop_attention)
+        normed = self.input_layernorm(x)
+        out, bias = self.self_attention(normed, rotary, attention_mask, dropout_masks, kv_cache)
+        residual = normed if self.residual_post_norm else x
+        x = self._residual(out, bias, residual, dropout_masks, "attention_output", drop_attention)
+        normed = self.pre_mlp_layernorm(x)
         if self.recompute_mlp and wanted(self):
             mlp = self.fp8_scope.wrap(self.mlp)  # recomputed in backward: in FP8 again
-            out, bias = recompute(mlp, self.pre_mlp_layernorm(x), rng=self.rng)
+            out, bias = recompute(mlp, normed, rng=self.rng)
         else:
-            out, bias = self.mlp(self.pre_mlp_layernorm(x))
-        return self._residual(out, bias, x, dropout_masks, "mlp_output", drop_mlp)
+            out, bias = self.mlp(normed)
+        residual = normed if self.residual_post_norm else x
+        return self._residual(out, bias, residual, dropout_masks, "mlp_output", drop_mlp)
 
     def _residual(self, out, bias, x, dropout_masks, site: str, drop) -> torch.Tensor:
         """x + dropout(out + bias), by the fused kernel where one was chosen (it takes the

@@ -73,9 +73,10 @@ def uniform_counts(
 def layer_flops_per_token(config: ModelConfig) -> float:
     """Forward FLOPs per token of one transformer layer (matmuls + causal attention)."""
     h, ffn, s = config.hidden_size, config.ffn_hidden_size, config.seq_length
+    q = config.num_attention_heads * config.head_dim  # h unless --kv-channels says otherwise
     kv = 2 * config.num_query_groups * config.head_dim
-    linear = 2 * h * (h + kv) + 2 * h * h + 2 * h * ffn * (3 if config.swiglu else 2)
-    attention = 2 * s * h  # QK^T and AV over the causal half of the sequence
+    linear = 2 * h * (q + kv) + 2 * q * h + 2 * h * ffn * (3 if config.swiglu else 2)
+    attention = 2 * s * q  # QK^T and AV over the causal half of the sequence
     return float(linear + attention)
 
 

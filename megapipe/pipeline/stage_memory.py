@@ -62,6 +62,8 @@ def layer_parameters(config: ModelConfig, tp: int) -> int:
     weights = (h * qkv + config.num_attention_heads * d * h + h * fc1 + f * h) // tp
     biases = (qkv + fc1) // tp + 2 * h if config.add_bias_linear else 0
     norms = 2 * h * (2 if config.normalization == "LayerNorm" else 1)
+    if config.qk_layernorm:  # q and k norms over the head dim, replicated across TP
+        norms += 2 * d * (2 if config.normalization == "LayerNorm" else 1)
     return weights + biases + norms
 
 

@@ -5,7 +5,10 @@
 per-query-group layout; causal scaled_dot_product_attention, optionally GQA and rotary in the
 rotate-half form; GeLU (exact, or GPT-2's tanh approximation) or SwiGLU MLP), a final norm, an
 output layer tied to the word embedding or not, and cross-entropy. Activations are [s, b, h] as
-in megapipe.
+in megapipe. Megatron-LM's model-shape flags too: a head size other than hidden/heads
+(--kv-channels), per-head query/key norms (--qk-layernorm), rotary on the leading part of each
+head (--rotary-percent), a squared-ReLU MLP (--squared-relu) and residuals taken after the
+norms (--apply-residual-connection-post-layernorm).
 
 `reference_from_megapipe` builds the plain model for a single-rank megapipe `GPTModel` and
 copies its weights in by name, so both start from the same point: a test can then train the
@@ -26,11 +29,15 @@ if TYPE_CHECKING:
     from megapipe.model.gpt import GPTModel
 
 
-def rotate_half(x: torch.Tensor, base: float) -> torch.Tensor:
+def rotate_half(x: torch.Tensor, base: float, percent: float = 1.0) -> torch.Tensor:
     """Rotary position embedding of x [s, b, heads, d] at positions 0..s-1 (rotate-half form).
 
-    The pair (x_i, x_{i + d/2}) is rotated by the angle position * base^(-2i/d).
+    Only the first r = int(d * percent) dims of each head rotate; of those, the pair
+    (x_i, x_{i + r/2}) is rotated by the angle position * base^(-2i/r), the rest kept as is.
     """
+    r = int(x.shape[-1] * percent)
+    if r < x.shape[-1]:
+        return torch.cat([rotate_half(x[..., :r], base), x[..., r:]], dim=-1)
     s, d = x.shape[0], x.shape[-1]
     inv_freq = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
     angles = torch.arange(s, dtype=torch.float64)[:, None] * inv_freq  # [s, d/2]
@@ -61,16 +68,25 @@ class PlainBlock(nn.Module):
         swiglu: bool = False,
         openai_gelu: bool = False,
         bias: bool = True,
+        head_dim: int | None = None,
+        qk_norm: bool = False,
+        rope_percent: float = 1.0,
+        squared_relu: bool = False,
+        residual_after_norm: bool = False,
     ) -> None:
         super().__init__()
-        self.heads, self.head_dim, self.dropout = heads, hidden // heads, dropout
+        self.heads, self.head_dim, self.dropout = heads, head_dim or hidden // heads, dropout
         self.groups = query_groups or heads
         self.rope_base, self.swiglu, self.openai_gelu = rope_base, swiglu, openai_gelu
+        self.rope_percent, self.squared_relu = rope_percent, squared_relu
+        self.residual_after_norm = residual_after_norm
         ffn_hidden = ffn_hidden or 4 * hidden
         self.ln1 = _norm(rmsnorm, hidden, eps)
         # Output features grouped per query group: [q_0 .. q_{k-1}, k, v] (Megatron's layout).
         self.qkv = nn.Linear(hidden, self.head_dim * (heads + 2 * self.groups), bias=bias)
-        self.proj = nn.Linear(hidden, hidden, bias=bias)
+        self.q_norm = _norm(rmsnorm, self.head_dim, eps) if qk_norm else None
+        self.k_norm = _norm(rmsnorm, self.head_dim, eps) if qk_norm else None
+        self.proj = nn.Linear(heads * self.head_dim, hidden, bias=bias)
         self.ln2 = _norm(rmsnorm, hidden, eps)
         self.fc1 = nn.Linear(hidden, ffn_hidden * (2 if swiglu else 1), bias=bias)  # [gate; up]
         self.fc2 = nn.Linear(ffn_hidden, hidden, bias=bias)
@@ -78,22 +94,31 @@ class PlainBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s, b, h = x.shape
         per_group = self.heads // self.groups
-        qkv = self.qkv(self.ln1(x)).view(s, b, self.groups, per_group + 2, self.head_dim)
+        n1 = self.ln1(x)
+        qkv = self.qkv(n1).view(s, b, self.groups, per_group + 2, self.head_dim)
         q = qkv[:, :, :, :per_group].reshape(s, b, self.heads, self.head_dim)
         k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]
+        if self.q_norm is not None:  # over each head's head_dim values
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rope_base is not None:
-            q, k = rotate_half(q, self.rope_base), rotate_half(k, self.rope_base)
+            q = rotate_half(q, self.rope_base, self.rope_percent)
+            k = rotate_half(k, self.rope_base, self.rope_percent)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads or groups, s, d]
         p = self.dropout if self.training else 0.0
         a = F.scaled_dot_product_attention(
             q, k, v, dropout_p=p, is_causal=True, enable_gqa=self.groups != self.heads
         )
-        a = a.permute(2, 0, 1, 3).reshape(s, b, h)
-        x = x + F.dropout(self.proj(a), p, self.training)
-        y = self.fc1(self.ln2(x))
+        a = a.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)
+        x = (n1 if self.residual_after_norm else x) + F.dropout(self.proj(a), p, self.training)
+        n2 = self.ln2(x)
+        if self.residual_after_norm:
+            x = n2
+        y = self.fc1(n2)
         if self.swiglu:
             gate, up = y.chunk(2, dim=-1)
             y = F.silu(gate) * up
+        elif self.squared_relu:
+            y = y.clamp(min=0) * y.clamp(min=0)
         elif self.openai_gelu:  # written out, not F.gelu(approximate="tanh"): a reference
             y = 0.5 * y * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (y + 0.044715 * y**3)))
         else:
@@ -127,6 +152,11 @@ class PlainGPT(nn.Module):
         openai_gelu: bool = False,
         tied: bool = True,
         bias: bool = True,
+        head_dim: int | None = None,
+        qk_norm: bool = False,
+        rope_percent: float = 1.0,
+        squared_relu: bool = False,
+        residual_after_norm: bool = False,
     ) -> None:
         super().__init__()
         self.dropout = dropout
@@ -140,6 +170,11 @@ class PlainGPT(nn.Module):
             swiglu=swiglu,
             openai_gelu=openai_gelu,
             bias=bias,
+            head_dim=head_dim,
+            qk_norm=qk_norm,
+            rope_percent=rope_percent,
+            squared_relu=squared_relu,
+            residual_after_norm=residual_after_norm,
         )
         self.blocks = nn.ModuleList(
             PlainBlock(hidden, heads, dropout, eps, **block) for _ in range(layers)
@@ -177,6 +212,10 @@ _LAYER_NAMES = {
     "self_attention.linear_qkv.bias": "qkv.bias",
     "self_attention.linear_proj.weight": "proj.weight",
     "self_attention.linear_proj.bias": "proj.bias",
+    "self_attention.q_layernorm.weight": "q_norm.weight",
+    "self_attention.q_layernorm.bias": "q_norm.bias",
+    "self_attention.k_layernorm.weight": "k_norm.weight",
+    "self_attention.k_layernorm.bias": "k_norm.bias",
     "pre_mlp_layernorm.weight": "ln2.weight",
     "pre_mlp_layernorm.bias": "ln2.bias",
     "mlp.linear_fc1.weight": "fc1.weight",
@@ -256,6 +295,11 @@ def reference_from_megapipe(model: GPTModel) -> PlainGPT:
         openai_gelu=config.openai_gelu,
         tied=not config.untie_embeddings_and_output_weights,
         bias=config.add_bias_linear,
+        head_dim=config.kv_channels,
+        qk_norm=config.qk_layernorm,
+        rope_percent=config.rotary_percent,
+        squared_relu=config.squared_relu,
+        residual_after_norm=config.apply_residual_connection_post_layernorm,
     )
     copy_weights(model, plain)
     return plain.to(next(model.parameters()).device)

@@ -220,10 +220,13 @@ def build_optimizer(
         loss_scale_window=opt.loss_scale_window,
         hysteresis=opt.hysteresis,
     )
+    decoupled = configs.training.decoupled_lr is not None  # the embedding's own LR groups
     if uses_fsdp(opt, state):
         layers = [list(chunk.decoder.layers.values()) for chunk in chunks]
         modules = shard_chunks(chunks, layers, state, opt)
-        return FSDPOptimizer(chunks, modules, state, opt, configs.training.lr, scaler)
+        return FSDPOptimizer(
+            chunks, modules, state, opt, configs.training.lr, scaler, decoupled=decoupled
+        )
     num_microbatches = configs.training.num_microbatches(state.dp.size)
     group, replicas = state.dp, None  # hybrid: shard inside the instance, all-reduce across
     shard = opt.use_distributed_optimizer
@@ -245,7 +248,9 @@ def build_optimizer(
         )
         for chunk in chunks
     ]
-    optimizer = ShardedOptimizer(buffers, state, opt, configs.training.lr, scaler)
+    optimizer = ShardedOptimizer(
+        buffers, state, opt, configs.training.lr, scaler, decoupled=decoupled
+    )
     if replicas is not None:
         optimizer.norm_replicas = replicas.size
     return optimizer

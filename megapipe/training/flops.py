@@ -25,8 +25,8 @@ def flops_per_iteration(
     """Floating-point operations of one training iteration (forward + backward), whole model.
 
     With B = global_batch_size, s = seq_length, L = num_layers, h = hidden_size,
-    n = num_attention_heads, g = num_query_groups, d = head_dim, f = ffn_hidden_size,
-    V = padded_vocab_size, the forward pass is
+    n = num_attention_heads, g = num_query_groups, d = head_dim (--kv-channels),
+    f = ffn_hidden_size, V = padded_vocab_size, the forward pass is
 
         per layer:  QKV projection          2 B s h d (n + 2g)
                     scores Q K^T (causal)   2 B n s s d / 2

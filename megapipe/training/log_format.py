@@ -44,6 +44,8 @@ def iteration_line(
     throughput_tflops_per_gpu: float | None = None,
     tokens_per_second_per_gpu: float | None = None,
     mfu: float | None = None,
+    num_zeros: float | None = None,
+    params_norm: float | None = None,
 ) -> str:
     """Megatron's training_log line; `losses` maps names ("lm loss") to interval averages.
 
@@ -51,6 +53,8 @@ def iteration_line(
     Megatron's `throughput per GPU (TFLOP/s/GPU)`, then megapipe's tokens per second per GPU
     and MFU (a fraction, printed as a percentage; None without a known peak).
     `flops.Throughput`'s fields have these names: `iteration_line(..., **asdict(t))`.
+    `num_zeros` (--log-num-zeros-in-grad) and `params_norm` (--log-params-norm) follow the
+    grad norm, in Megatron's order, when given.
     """
     line = f" iteration {iteration:8d}/{train_iters:8d} |"
     line += f" consumed samples: {consumed_samples:12d} |"
@@ -68,6 +72,10 @@ def iteration_line(
     line += f" loss scale: {loss_scale:.1f} |"
     if grad_norm is not None:
         line += f" grad norm: {grad_norm:.3f} |"
+    if num_zeros is not None:
+        line += f" num zeros: {num_zeros:.1f} |"
+    if params_norm is not None:
+        line += f" params norm: {params_norm:.3f} |"
     line += f" number of skipped iterations: {skipped_iterations:3d} |"
     line += f" number of nan iterations: {nan_iterations:3d} |"
     return line

@@ -9,13 +9,15 @@ Megatron counts scheduler steps in *samples* (iterations x global batch size). F
 ratios make that unit cancel, except inverse-square-root without warmup, whose `max(steps, 1)`
 clamp then depends on the batch size; `global_batch_size` keeps that case exact.
 
-Being pure (no step counter inside), the schedule needs no checkpoint state: the caller passes the
-number of *successful* updates so far. Megatron does not advance its scheduler on an iteration
+Being pure (no step counter inside), the schedule needs no checkpoint state but its settings
+(recorded for Megatron's resume rule: `optimizer_schedule.py`): the caller passes the number of
+*successful* updates so far. Megatron does not advance its scheduler on an iteration
 the fp16 loss scaler skipped, so that count, not the iteration number, is the argument.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -244,3 +246,25 @@ def lr_schedule_of(training: TrainingConfig) -> LRSchedule:
         lr_warmup_init=training.lr_warmup_init,
         global_batch_size=training.global_batch_size,
     )
+
+
+def decoupled_schedule_of(training: TrainingConfig) -> LRSchedule | None:
+    """--decoupled-lr's schedule (the embedding and output layer's): --lr's warmup and decay
+    with peak --decoupled-lr and floor --decoupled-min-lr (default --min-lr); None without it."""
+    peak = training.decoupled_lr
+    if peak is None:
+        return None
+    floor = training.min_lr if training.decoupled_min_lr is None else training.decoupled_min_lr
+    _require(peak >= 0, f"--decoupled-lr must not be negative, got {peak}")
+    _require(floor >= 0, f"--decoupled-min-lr must not be negative, got {floor}")
+    _require(
+        floor <= peak,
+        f"--decoupled-min-lr ({floor}) must not exceed --decoupled-lr ({peak})"
+        + (" (it defaults to --min-lr)" if training.decoupled_min_lr is None else ""),
+    )
+    _require(
+        training.lr_warmup_init <= peak,
+        f"--lr-warmup-init ({training.lr_warmup_init}) must not exceed --decoupled-lr ({peak}): "
+        "both schedules warm up from it",
+    )
+    return dataclasses.replace(lr_schedule_of(training), max_lr=peak, min_lr=floor)

@@ -49,3 +49,25 @@ def memory_report_line(rank: int, iterations: int, device: torch.device) -> str:
         peak = max(peak, rss)  # statm and getrusage count pages differently; keep peak >= now
     line += f" | max RSS: {peak / _MB}"
     return line
+
+
+def memory_scalars(device: torch.device) -> dict[str, float]:
+    """--log-memory-to-tensorboard's scalars (bytes; counts for the allocation count).
+
+    CUDA: Megatron's four names from torch.cuda.memory_stats. CPU: no allocator to ask, so
+    the process's current and peak resident set size under names of their own
+    (`mem-rss-bytes`, `mem-max-rss-bytes`), never passed off as the allocator's figures.
+    """
+    if device.type == "cuda":
+        stats = torch.cuda.memory_stats(device)
+        return {
+            "mem-reserved-bytes": stats.get("reserved_bytes.all.current", 0),
+            "mem-allocated-bytes": stats.get("allocated_bytes.all.current", 0),
+            "mem-max-allocated-bytes": stats.get("allocated_bytes.all.peak", 0),
+            "mem-allocated-count": stats.get("allocation.all.current", 0),
+        }
+    rss = resident_set_bytes()
+    peak = peak_resident_set_bytes()
+    scalars = {} if rss is None else {"mem-rss-bytes": rss}
+    scalars["mem-max-rss-bytes"] = max(peak, rss or 0)
+    return scalars

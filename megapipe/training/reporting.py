@@ -24,10 +24,11 @@ from megapipe.training.flops import (
 )
 from megapipe.training.interval_stats import IntervalStats
 from megapipe.training.log_format import iteration_line, validation_block
-from megapipe.training.memory_report import memory_report_line
+from megapipe.training.memory_report import memory_report_line, memory_scalars
 from megapipe.training.printing import print_rank_last
 from megapipe.training.step import StepResult
 from megapipe.training.tensorboard_log import TrainingTensorBoard
+from megapipe.training.wandb_log import wandb_maker
 
 
 def _now(device: torch.device) -> float:
@@ -54,6 +55,7 @@ class TrainingReporter:
         self.tensorboard = TrainingTensorBoard.open_for(
             state,
             logging.tensorboard_dir,
+            wandb=wandb_maker(configs),
             queue_size=logging.tensorboard_queue_size,
             log_interval=logging.tensorboard_log_interval,
             log_validation_ppl=logging.log_validation_ppl_to_tensorboard,
@@ -83,9 +85,11 @@ class TrainingReporter:
         result: StepResult,
         learning_rate: float,
         loss_scale: float,
+        decoupled_learning_rate: float | None = None,
     ) -> None:
         """Record iteration `iteration` (1-based), which consumed samples up to
-        `consumed_samples`; print the log line at --log-interval."""
+        `consumed_samples`; print the log line at --log-interval. `decoupled_learning_rate`
+        (--decoupled-lr's) goes to TensorBoard only: the log line shows --lr's, as Megatron's."""
         self._accumulate(_now(self.state.device) - self._started, batch_size, result)
         if not self.memory_reported:
             print_line(memory_report_line(self.state.rank, iteration, self.state.device))
@@ -95,7 +99,7 @@ class TrainingReporter:
         if self.tensorboard is not None:
             self._log_tensorboard(
                 iteration, consumed_samples, batch_size, result, learning_rate, loss_scale,
-                at_log=at_log, speed=speed,
+                at_log=at_log, speed=speed, decoupled_learning_rate=decoupled_learning_rate,
             )  # fmt: skip
         if not at_log:
             return
@@ -109,6 +113,8 @@ class TrainingReporter:
             losses=self.stats.averages(),
             loss_scale=loss_scale,
             grad_norm=result.grad_norm,
+            num_zeros=result.num_zeros,
+            params_norm=result.params_norm,
             skipped_iterations=self.stats.skipped_iterations,
             nan_iterations=self.stats.nan_iterations,
             **(dataclasses.asdict(speed) if speed else {}),
@@ -150,6 +156,7 @@ class TrainingReporter:
         *,
         at_log: bool,
         speed: Throughput | None,
+        decoupled_learning_rate: float | None = None,
     ) -> None:
         """This iteration's scalars, with the interval's means at --log-interval."""
         logging, iterations = self.configs.logging, self.stats.iterations
@@ -159,12 +166,19 @@ class TrainingReporter:
             consumed_samples,
             losses={"lm loss": result.lm_loss},
             learning_rate=learning_rate if logging.log_learning_rate_to_tensorboard else None,
+            decoupled_learning_rate=(
+                decoupled_learning_rate if logging.log_learning_rate_to_tensorboard else None
+            ),
             grad_norm=result.grad_norm,
             loss_scale=loss_scale if logging.log_loss_scale_to_tensorboard else None,
             batch_size=batch_size if logging.log_batch_size_to_tensorboard else None,
             iteration_time_s=self.interval_time / iterations if at_log else None,
             throughput_tflops=speed.throughput_tflops_per_gpu if speed else None,
             timers={k: v / iterations for k, v in self.timers.items()} if timing else None,
+            world_size=self.state.world_size if logging.log_world_size_to_tensorboard else None,
+            num_zeros=result.num_zeros,
+            params_norm=result.params_norm,
+            memory=memory_scalars(self.state.device) if logging.log_memory_to_tensorboard else None,
         )
 
     def _reset_interval(self) -> None:

@@ -49,6 +49,8 @@ class StepResult:
     grad_norm: float
     skipped: bool = False
     timers: dict[str, float] = field(default_factory=dict, compare=False)
+    num_zeros: float | None = None  # --log-num-zeros-in-grad (None: not asked, or skipped)
+    params_norm: float | None = None  # --log-params-norm: after the update
 
 
 class NumericalFaultError(MegapipeError, RuntimeError):
@@ -135,10 +137,14 @@ def train_step(
     lr: float,
     iteration: int,
     trace: TraceRecorder | None = None,
+    count_zeros: bool = False,
+    params_norm: bool = False,
+    decoupled_lr: float | None = None,
 ) -> StepResult:
     """Run one iteration (1-based `iteration`, for messages) on this rank's share of `batch`.
 
-    `executor` must run `batch.num_microbatches` micro-batches.
+    `executor` must run `batch.num_microbatches` micro-batches. `count_zeros` and `params_norm`
+    (collective: every rank alike) add the gradient's zeros and the updated weights' norm.
     """
     scaler = optimizer.scaler
     optimizer.overlap_param_gather_with(chunks)  # --overlap-param-gather: once
@@ -169,16 +175,18 @@ def train_step(
     if checks.check_for_spiky_loss:
         _check_spike(optimizer.loss_history, lm_loss, iteration, state, checks)
     try:
-        outcome = optimizer.step(lr)
+        outcome = optimizer.step(lr, decoupled_lr)  # decoupled_lr: --decoupled-lr's groups
     except NonFiniteGradient as fault:
         raise NonFiniteGradError(_gradient_fault(fault, chunks, iteration, state)) from None
+    zeros = optimizer.num_zeros_in_grad() if count_zeros and not outcome.skipped else None
     optimizer.zero_grad()
     timers = {
         "forward-backward": computed - start,
         "grads-reduce": reduced - computed,
         "optimizer": time.perf_counter() - reduced,
     }
-    return StepResult(lm_loss, outcome.grad_norm, outcome.skipped, timers)
+    norm = optimizer.params_norm() if params_norm else None
+    return StepResult(lm_loss, outcome.grad_norm, outcome.skipped, timers, zeros, norm)
 
 
 @dataclass

@@ -13,8 +13,10 @@ import time
 from megapipe.activity import Activity, is_communication_failure
 from megapipe.checkpointing.checkpointer import Checkpointer
 from megapipe.checkpointing.run_state import Progress
+from megapipe.checkpointing.scheduler_rule import ScheduleSettings
 from megapipe.config import Configs
 from megapipe.console import print_line, say
+from megapipe.conversion.megatron_lm_source import load_megatron_lm
 from megapipe.model.activation_memory import SavedTensorPeak
 from megapipe.parallel.state import ParallelState
 from megapipe.pipeline.executor import PipelineExecutor
@@ -22,8 +24,9 @@ from megapipe.pipeline.stage_memory import measured_line
 from megapipe.pipeline.trace import TraceRecorder, gather_and_write
 from megapipe.training.build import Run, build_run
 from megapipe.training.exit_conditions import ExitCheck
-from megapipe.training.lr_schedule import lr_schedule_of
+from megapipe.training.optimizer_schedule import OptimizerSchedule
 from megapipe.training.printing import print_rank_0
+from megapipe.training.profiling import profiler_for
 from megapipe.training.reporting import TrainingReporter
 from megapipe.training.step import GlobalBatch, StepResult, train_step
 from megapipe.training.watchdog import Watchdog, WatchdogSettings
@@ -50,12 +53,16 @@ def train(
     return TrainingLoop(build_run(configs, state, activity)).run()
 
 
-def load_checkpoint(checkpoints: Checkpointer, state: ParallelState) -> Progress:
-    """--load's checkpoint into the live run; where training continues (0 from scratch)."""
+def load_checkpoint(
+    checkpoints: Checkpointer, state: ParallelState, schedule: ScheduleSettings | None = None
+) -> Progress:
+    """--load's checkpoint into the live run; where training continues (0 from scratch).
+    `schedule`: the run's LR schedule settings, checked against the checkpoint's."""
     if checkpoints.checkpoint.load is None:
         return Progress()
     start = time.perf_counter()
-    progress, notes = checkpoints.load()
+    loaded = load_megatron_lm(checkpoints, schedule)  # None: not a Megatron-LM checkpoint
+    progress, notes = loaded if loaded is not None else checkpoints.load(schedule)
     for note in notes:
         print_rank_0(state, f" {note}")
     if progress is None:
@@ -116,11 +123,19 @@ class TrainingLoop:
         self.executors = {run.executor.num_microbatches: run.executor}  # per micro-batch count
         trace_path = self.configs.parallel.pipeline_trace
         self.trace = TraceRecorder(self.state.pp_rank) if trace_path else None
-        self.lr_schedule = lr_schedule_of(training) if training.train_iters > 0 else None
+        self.schedule = (
+            OptimizerSchedule.of(training, run.configs.optimizer)
+            if training.train_iters > 0
+            else None
+        )
         self.checkpoints = Checkpointer(
             self.configs, self.state, run.chunks, run.optimizer, run.chunks[0].rng
         )
-        progress = load_checkpoint(self.checkpoints, self.state)
+        settings = self.schedule.settings() if self.schedule is not None else None
+        progress = load_checkpoint(self.checkpoints, self.state, settings)
+        if self.schedule is not None and progress.scheduler is not None:  # Megatron's rule
+            self.schedule = self.schedule.following(progress.scheduler)
+            run.optimizer.set_weight_decay(self.schedule.weight_decay)
         for name, evaluator in run.evaluators.items():
             evaluator.evaluations = (progress.evaluations or {}).get(name, 0)
         self.iteration = progress.iteration
@@ -132,6 +147,12 @@ class TrainingLoop:
         self.exit_check = ExitCheck.start(training, self.state, self.activity)
         self.watchdog = Watchdog(self.activity, watchdog_settings(self.configs))
         self.results: list[StepResult] = []
+        logging = self.configs.logging  # --profile: this rank's profiler, if it profiles
+        self.profiler, note = profiler_for(
+            logging, self.state.rank, self.state.device, self.iteration + 1
+        )
+        if note is not None:
+            print_rank_0(self.state, f"note: {note}")
 
     def run(self) -> list[StepResult]:
         """Step until --train-iters or an exit condition; every iteration's result."""
@@ -176,6 +197,8 @@ class TrainingLoop:
         batch = GlobalBatch(self.consumed, batch_size, training.micro_batch_size, state)
         executor = self._executor_for(batch.num_microbatches)
         trace = self._trace_for_step()
+        if self.profiler is not None:
+            self.profiler.begin(self.iteration)
         self.reporter.start_iteration()
         measuring = run.stage_memory is not None and not self.results  # this run's first
         params = (p for c in run.chunks for p in c.parameters())
@@ -191,7 +214,12 @@ class TrainingLoop:
                 lr=self._lr(),
                 iteration=self.iteration,
                 trace=trace,
+                decoupled_lr=self.schedule.rates(self.scheduled)[1],
+                count_zeros=self.configs.logging.log_num_zeros_in_grad,
+                params_norm=self.configs.logging.log_params_norm,
             )
+        if self.profiler is not None:
+            self.profiler.end(self.iteration)
         if saved is not None and state.dp.rank == 0 and state.tp.rank == 0:
             estimate = run.stage_memory[state.pp.rank]
             print_line(measured_line(state.rank, estimate, saved.peak, state.device))
@@ -201,7 +229,13 @@ class TrainingLoop:
         scaler = run.optimizer.scaler
         scale = scaler.scale if scaler is not None else 1.0
         self.reporter.end_iteration(
-            self.iteration, self.consumed, batch_size, result, self._lr(), scale
+            self.iteration,
+            self.consumed,
+            batch_size,
+            result,
+            self._lr(),
+            scale,
+            self.schedule.rates(self.scheduled)[1],
         )
 
     def evaluate_at_interval(self) -> None:
@@ -238,7 +272,8 @@ class TrainingLoop:
         self.activity.enter("save", "the checkpoint save of iteration {}", self.iteration)
         evaluations = {name: e.evaluations for name, e in self.built.evaluators.items()}
         self.built.optimizer.finish_param_sync()  # --overlap-param-gather: no stale shard is saved
-        progress = Progress(self.iteration, self.consumed, self.scheduled, evaluations)
+        settings = self.schedule.settings().values if self.schedule is not None else None
+        progress = Progress(self.iteration, self.consumed, self.scheduled, evaluations, settings)
         save_checkpoint(self.checkpoints, self.state, progress)
         self.saved_at = self.iteration
 
@@ -273,7 +308,7 @@ class TrainingLoop:
 
     def _lr(self) -> float:
         """The learning rate at the samples of successful updates so far."""
-        return self.lr_schedule.lr_at(self.scheduled / self.training.global_batch_size)
+        return self.schedule.rates(self.scheduled)[0]
 
     def _trace_for_step(self) -> TraceRecorder | None:
         """--pipeline-trace's recorder for the first iterations, None after."""
@@ -283,8 +318,11 @@ class TrainingLoop:
         return self.trace
 
     def _close(self) -> None:
-        """Stop the exit check, the reporter and a background save; then the watchdog."""
+        """Stop the profiler, the exit check, the reporter and a background save; then the
+        watchdog."""
         try:
+            if self.profiler is not None:
+                self.profiler.close()
             self.exit_check.close()
             self.reporter.close()
             self.checkpoints.finish()  # a background save still in flight: watched too

@@ -1,5 +1,6 @@
-"""Rewrite a megapipe checkpoint for another tensor/pipeline layout and format (Megatron's
-`tools/checkpoint/convert.py` flags). Model weights only: the optimizer state is dropped.
+"""Rewrite a megapipe or Megatron-LM checkpoint for another tensor/pipeline layout and format,
+or as a Hugging Face model (Megatron's `tools/checkpoint/convert.py` flags). Model weights only:
+the optimizer state is dropped.
 
     python tools/checkpoint/convert.py --model-type GPT --loader megapipe --saver megapipe \\
         --load-dir A --save-dir B --target-tensor-parallel-size 2 \\
@@ -17,9 +18,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from megapipe.arguments.validation import validate_model  # noqa: E402
 from megapipe.checkpointing.hf_safetensors import DEFAULT_MAX_SHARD_SIZE  # noqa: E402
-from megapipe.conversion.convert import convert  # noqa: E402
 from megapipe.conversion.hf_export import export_hf  # noqa: E402
 from megapipe.conversion.hf_import import import_hf  # noqa: E402
+from megapipe.conversion.megatron_lm_source import convert_any  # noqa: E402
 from megapipe.data.tool_cli import OneLineParser  # noqa: E402
 from megapipe.errors import run_cli  # noqa: E402
 
@@ -27,8 +28,9 @@ from megapipe.errors import run_cli  # noqa: E402
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog="tools/checkpoint/convert.py",
-        description="Convert a megapipe checkpoint (torch_dist or Megatron's legacy torch layout, "
-        "any TP/PP) to another TP/PP layout and format, in one process. MODEL WEIGHTS ONLY, as "
+        description="Convert a megapipe or Megatron-LM checkpoint (torch_dist or Megatron's "
+        "legacy torch layout, any TP/PP) to another TP/PP layout and format, or to Hugging Face "
+        "(--saver hf), in one process. MODEL WEIGHTS ONLY, as "
         "Megatron's converter: the optimizer and random states are dropped (continue with "
         "--no-load-optim); the iteration and sample counts are kept.",
     )
@@ -36,9 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--loader",
         default="megapipe",
-        choices=["megapipe", "hf"],
-        help="hf: --load-dir is a transformers GPT-2 or Llama directory (config.json + "
-        "safetensors), written as a megapipe checkpoint at the target layout (iteration 0).",
+        choices=["megapipe", "mcore", "legacy", "hf"],
+        help="megapipe (or Megatron's names mcore, legacy): --load-dir is a checkpoint that "
+        "megapipe or Megatron-LM wrote, torch_dist or legacy torch, any TP/PP (which of them is "
+        "read from the files). hf: --load-dir is a transformers GPT-2 or Llama directory "
+        "(config.json + safetensors), written as a megapipe checkpoint at the target layout "
+        "(iteration 0).",
     )
     parser.add_argument(
         "--saver",
@@ -97,7 +102,7 @@ def _run(argv: list[str]) -> int:
             validate=validate_model,
         )
         return 0
-    convert(
+    convert_any(
         args.load_dir,
         args.save_dir,
         args.target_tensor_parallel_size,
