@@ -60,6 +60,25 @@ THREE_D = [
 ]  # fmt: skip
 
 
+def optimizer_argv(
+    *, steps: int, micro: int, batch: int, lr: float, min_lr: float, warmup: int,
+    weight_decay: float, clip: float, betas: tuple[float, float], eps: float, seed: int,
+    vocab: int, seq: int,
+) -> list[str]:  # fmt: skip
+    """A tiny 2-layer run (no dropout, cosine LR) whose optimizer settings a test writes out
+    again in plain torch: the reference tests' shared command line."""
+    return [
+        "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--ffn-hidden-size", "128", "--seq-length", str(seq), "--vocab-size", str(vocab),
+        "--mock-data", "--eval-iters", "0", "--seed", str(seed), "--micro-batch-size", str(micro),
+        "--global-batch-size", str(batch), "--train-iters", str(steps), "--lr", str(lr),
+        "--min-lr", str(min_lr), "--lr-decay-style", "cosine", "--lr-warmup-iters", str(warmup),
+        "--weight-decay", str(weight_decay), "--clip-grad", str(clip), "--adam-beta1",
+        str(betas[0]), "--adam-beta2", str(betas[1]), "--adam-eps", str(eps),
+        "--attention-dropout", "0", "--hidden-dropout", "0", "--log-interval", "100",
+    ]  # fmt: skip
+
+
 def printed(stdout: str) -> dict[int, tuple[str, str]]:
     """iteration -> (lm loss, grad norm) as printed."""
     return {int(m[1]): (m[2], m[3]) for m in map(LOSS_LINE.match, stdout.splitlines()) if m}

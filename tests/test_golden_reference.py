@@ -27,6 +27,7 @@ import torch._dynamo  # noqa: F401  (imported once here so that forked ranks inh
 from megapipe.config import ModelConfig
 from megapipe.data.mock import MockGPTDataset
 from megapipe.testing import run_distributed, train_with_flags
+from tests.helpers import optimizer_argv
 
 TOLERANCE = 1e-5
 STEPS, MICRO_BATCH, GLOBAL_BATCH = 10, 2, 4
@@ -34,16 +35,21 @@ LR, MIN_LR, WARMUP = 2e-3, 2e-4, 2
 WEIGHT_DECAY, CLIP, BETAS, EPS = 0.1, 0.2, (0.9, 0.95), 1e-8
 SEED, VOCAB, SEQ = 1234, 256, 32  # vocab: a multiple of 128, so megapipe pads nothing
 
-ARGV = [
-    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--ffn-hidden-size", "128", "--seq-length", str(SEQ), "--vocab-size", str(VOCAB),
-    "--mock-data", "--eval-iters", "0", "--seed", str(SEED), "--micro-batch-size", str(MICRO_BATCH),
-    "--global-batch-size", str(GLOBAL_BATCH), "--train-iters", str(STEPS), "--lr", str(LR),
-    "--min-lr", str(MIN_LR), "--lr-decay-style", "cosine", "--lr-warmup-iters", str(WARMUP),
-    "--weight-decay", str(WEIGHT_DECAY), "--clip-grad", str(CLIP), "--adam-beta1", str(BETAS[0]),
-    "--adam-beta2", str(BETAS[1]), "--adam-eps", str(EPS),
-    "--attention-dropout", "0", "--hidden-dropout", "0", "--log-interval", "100",
-]  # fmt: skip
+ARGV = optimizer_argv(
+    steps=STEPS,
+    micro=MICRO_BATCH,
+    batch=GLOBAL_BATCH,
+    lr=LR,
+    min_lr=MIN_LR,
+    warmup=WARMUP,
+    weight_decay=WEIGHT_DECAY,
+    clip=CLIP,
+    betas=BETAS,
+    eps=EPS,
+    seed=SEED,
+    vocab=VOCAB,
+    seq=SEQ,
+)
 
 ARCHITECTURES = {  # name: (extra flags, the same architecture as ModelConfig fields)
     "gpt2": ([], {}),

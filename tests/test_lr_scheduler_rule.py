@@ -30,7 +30,15 @@ from megapipe.config import CheckpointConfig, ModelConfig
 from megapipe.data.mock import MockGPTDataset
 from megapipe.errors import ConfigError
 from megapipe.testing import DistributedTestError, run_distributed
-from tests.helpers import MOCK, MODEL, NO_DROPOUT, parity_losses_and_norms, refresh_checksums, run
+from tests.helpers import (
+    MOCK,
+    MODEL,
+    NO_DROPOUT,
+    optimizer_argv,
+    parity_losses_and_norms,
+    refresh_checksums,
+    run,
+)
 
 # --- --decoupled-lr against plain torch.optim.AdamW -------------------------------------------
 
@@ -38,15 +46,23 @@ STEPS, MICRO_BATCH, GLOBAL_BATCH, SEED, VOCAB, SEQ = 4, 2, 4, 1234, 256, 32
 LR, MIN_LR, DECOUPLED_LR, DECOUPLED_MIN_LR, WARMUP = 2e-3, 2e-4, 1e-2, 1e-3, 1
 WEIGHT_DECAY, CLIP, BETAS, EPS = 0.1, 1.0, (0.9, 0.95), 1e-8
 ARGV = [
-    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--ffn-hidden-size", "128", "--seq-length", str(SEQ), "--vocab-size", str(VOCAB),
-    "--mock-data", "--eval-iters", "0", "--seed", str(SEED), "--micro-batch-size", str(MICRO_BATCH),
-    "--global-batch-size", str(GLOBAL_BATCH), "--train-iters", str(STEPS), "--lr", str(LR),
-    "--min-lr", str(MIN_LR), "--lr-decay-style", "cosine", "--lr-warmup-iters", str(WARMUP),
-    "--weight-decay", str(WEIGHT_DECAY), "--clip-grad", str(CLIP), "--adam-beta1", str(BETAS[0]),
-    "--adam-beta2", str(BETAS[1]), "--adam-eps", str(EPS), "--untie-embeddings-and-output-weights",
-    "--attention-dropout", "0", "--hidden-dropout", "0", "--log-interval", "100",
-]  # fmt: skip
+    *optimizer_argv(
+        steps=STEPS,
+        micro=MICRO_BATCH,
+        batch=GLOBAL_BATCH,
+        lr=LR,
+        min_lr=MIN_LR,
+        warmup=WARMUP,
+        weight_decay=WEIGHT_DECAY,
+        clip=CLIP,
+        betas=BETAS,
+        eps=EPS,
+        seed=SEED,
+        vocab=VOCAB,
+        seq=SEQ,
+    ),
+    "--untie-embeddings-and-output-weights",
+]
 DECOUPLED = ["--decoupled-lr", str(DECOUPLED_LR), "--decoupled-min-lr", str(DECOUPLED_MIN_LR)]
 EMBEDDING_AND_OUTPUT = ("wte.weight", "lm_head.weight")  # PlainGPT's names
 

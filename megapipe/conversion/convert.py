@@ -114,7 +114,30 @@ def resolve(load_dir: str, flag: str = "--load-dir") -> tuple[str, int]:
 
 
 def _is_model_key(key: str) -> bool:
-    return not key.startswith(("optimizer.", "rng_state."))
+    return not key.startswith(("optimizer.", "rng_state"))
+
+
+def model_tensors(
+    directory: str, vocab: int, *, require_checksums: bool = True
+) -> dict[str, torch.Tensor]:
+    """Every model tensor of a torch_dist checkpoint (megapipe's or Megatron-LM's: the same
+    keys), whole, in its saved dtype; vocabulary tensors cut to `vocab` rows. Optimizer and
+    random states and byte entries (`_extra_state`) are left out."""
+    held = read_metadata(directory, require_checksums=require_checksums).state_dict_metadata
+    tensors, shards = {}, {}
+    for key, md in held.items():
+        if not _is_model_key(key) or not hasattr(md, "size"):
+            continue
+        shape = tuple(md.size)
+        if is_vocabulary(key):
+            shape = (vocab, *shape[1:])
+        tensor = torch.empty(shape, dtype=md.properties.dtype)
+        tensors[key] = tensor
+        shards[key] = [TensorShard(tensor, (0,) * tensor.dim(), shape)]
+    load_sharded(
+        directory, shards, group=None, fit=fit_vocabulary, require_checksums=require_checksums
+    )
+    return tensors
 
 
 def read_torch_dist(directory: str) -> Source:
@@ -126,17 +149,7 @@ def read_torch_dist(directory: str) -> Source:
     if WORD_EMBEDDING not in saved:
         raise CheckpointError(f"checkpoint {directory}: no {WORD_EMBEDDING}")
     vocab = saved_vocab_size(common, saved)
-    tensors, shards = {}, {}
-    for key, md in held.items():
-        if not _is_model_key(key) or not hasattr(md, "size"):
-            continue
-        shape = tuple(md.size)
-        if is_vocabulary(key):
-            shape = (vocab, *shape[1:])
-        tensor = torch.empty(shape, dtype=md.properties.dtype)
-        tensors[key] = tensor
-        shards[key] = [TensorShard(tensor, (0,) * tensor.dim(), shape)]
-    load_sharded(directory, shards, group=None, fit=fit_vocabulary)
+    tensors = model_tensors(directory, vocab)
     args = saved_arguments(common)
     config = model_config_from_args(args, vocab)
     return Source(directory, "torch_dist", tensors, args, Progress.from_dict(common), config)
@@ -203,8 +216,7 @@ def _legacy_files(directory: str) -> Iterator[tuple[int, int, str, dict]]:
 
 def read_legacy(directory: str, say: Say = print) -> Source:
     """Full tensors assembled from every mp_rank file, through each rank's model."""
-    tensors: dict[str, torch.Tensor] = {}
-    filled: dict[str, int] = {}
+    assembled = FullTensors()
     first = None
     for t, p, sub, data in _legacy_files(directory):
         first = first or data
@@ -221,20 +233,10 @@ def read_legacy(directory: str, say: Say = print) -> Source:
                 raise CheckpointError(f"checkpoint file {sub}/{legacy.MODEL_FILE}: no {key!r}")
             legacy.load_chunk_state(chunk, data[key], f"{sub}/{legacy.MODEL_FILE} [{key}]")
         pieces = model_shards(_named(chunks), t, source_tp, config.num_layers)
-        for name, shards in pieces.items():
-            for shard in shards:
-                full = tensors.get(name)
-                if full is None:
-                    full = tensors[name] = torch.empty(shard.global_shape, dtype=shard.tensor.dtype)
-                _region(full, shard).copy_(shard.tensor)
-                filled[name] = filled.get(name, 0) + shard.tensor.numel()
+        assembled.add(pieces)
         say(f" read {os.path.basename(sub)}: {len(pieces)} tensors")
+    tensors = assembled.complete(directory)
     for name, full in tensors.items():
-        if filled[name] != full.numel():
-            raise CheckpointError(
-                f"checkpoint {directory}: tensor {name}: the mp_rank files hold {filled[name]} "
-                f"of its {full.numel()} elements"
-            )
         if is_vocabulary(name):  # the source layout's padding rows are not the model's
             tensors[name] = full[: config.vocab_size]
     assert first is not None
@@ -242,11 +244,40 @@ def read_legacy(directory: str, say: Say = print) -> Source:
     return Source(directory, "torch", tensors, saved_arguments(first), progress, config)
 
 
-def _region(full: torch.Tensor, shard: TensorShard) -> torch.Tensor:
+def region_of(full: torch.Tensor, shard: TensorShard) -> torch.Tensor:
+    """The view of a full logical tensor that `shard` covers."""
     view = full
     for dim, (start, size) in enumerate(zip(shard.offsets, shard.tensor.shape)):
         view = view.narrow(dim, start, size)
     return view
+
+
+class FullTensors:
+    """Full logical tensors assembled from the pieces of every saved rank (each element once)."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+        self._filled: dict[str, int] = {}
+
+    def add(self, pieces: ShardedState) -> None:
+        for name, shards in pieces.items():
+            for shard in shards:
+                full = self.tensors.get(name)
+                if full is None:
+                    full = torch.empty(shard.global_shape, dtype=shard.tensor.dtype)
+                    self.tensors[name] = full
+                region_of(full, shard).copy_(shard.tensor)
+                self._filled[name] = self._filled.get(name, 0) + shard.tensor.numel()
+
+    def complete(self, directory: str) -> dict[str, torch.Tensor]:
+        """The tensors; CheckpointError naming one that the rank files did not fill."""
+        for name, full in self.tensors.items():
+            if self._filled[name] != full.numel():
+                raise CheckpointError(
+                    f"checkpoint {directory}: tensor {name}: the mp_rank files hold "
+                    f"{self._filled[name]} of its {full.numel()} elements"
+                )
+        return self.tensors
 
 
 def read_source(directory: str, say: Say = print) -> Source:
@@ -286,10 +317,8 @@ def target_args(args: dict[str, str], tp: int, pp: int, fmt: str) -> dict[str, s
     return out
 
 
-def _fill(chunks: list[GPTModel], source: Source, tp_rank: int, tp: int) -> None:
-    dtype = source.tensors[WORD_EMBEDDING].dtype
-    for chunk in chunks:
-        chunk.to(dtype)
+def fill_chunks(chunks: list[GPTModel], source: Source, tp_rank: int, tp: int) -> None:
+    """Copy the source's full tensors into model chunks in place (each its own pieces)."""
     wanted = model_shards(_named(chunks), tp_rank, tp, source.config.num_layers, loading=True)
     with torch.no_grad():
         for name, shards in wanted.items():
@@ -302,7 +331,15 @@ def _fill(chunks: list[GPTModel], source: Source, tp_rank: int, tp: int) -> None
                         f"checkpoint {source.directory}: tensor {name} has shape "
                         f"{tuple(full.shape)}, the target model's is {shard.global_shape}"
                     )
-                shard.tensor.copy_(_region(full, shard))
+                shard.tensor.copy_(region_of(full, shard))
+
+
+def _fill(chunks: list[GPTModel], source: Source, tp_rank: int, tp: int) -> None:
+    """fill_chunks, the chunks first cast to the source's dtype (a conversion keeps it)."""
+    dtype = source.tensors[WORD_EMBEDDING].dtype
+    for chunk in chunks:
+        chunk.to(dtype)
+    fill_chunks(chunks, source, tp_rank, tp)
 
 
 def convert(load_dir: str, save_dir: str, tp: int, pp: int, fmt: str, say: Say = print) -> str:

@@ -25,16 +25,17 @@ from megapipe.checkpointing.layout_free import model_shards
 from megapipe.checkpointing.load_plan import Held, plan_load
 from megapipe.checkpointing.run_state import Progress, after_load
 from megapipe.checkpointing.scheduler_rule import ScheduleSettings, saved_settings
-from megapipe.checkpointing.shards import TensorShard
-from megapipe.checkpointing.torch_dist import load_sharded, read_metadata
 from megapipe.checkpointing.tracker import RELEASE, checkpoint_path, checkpoint_to_load
 from megapipe.config import ModelConfig
 from megapipe.conversion.convert import (
     WORD_EMBEDDING,
+    FullTensors,
     Say,
     Source,
     build_rank,
+    fill_chunks,
     model_config_from_args,
+    model_tensors,
     read_source,
     resolve,
     write_source,
@@ -50,20 +51,6 @@ _TE_NORMS = {
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
     "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
 }
-
-
-def _dist_tensors(directory: str) -> dict[str, torch.Tensor]:
-    """Every model tensor of a Megatron-LM torch_dist checkpoint, whole."""
-    held = read_metadata(directory, require_checksums=False).state_dict_metadata
-    tensors, shards = {}, {}
-    for key, md in held.items():
-        if key.startswith(("optimizer.", "rng_state")) or not hasattr(md, "size"):
-            continue  # optimizer state, random states and byte entries (_extra_state)
-        tensor = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-        tensors[key] = tensor
-        shards[key] = [TensorShard(tensor, (0,) * tensor.dim(), tuple(tensor.shape))]
-    load_sharded(directory, shards, group=None, require_checksums=False)
-    return tensors
 
 
 def _unfused(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -83,8 +70,7 @@ def _legacy_tensors(
     """Full tensors assembled from every mp_rank file of a Megatron-LM legacy checkpoint."""
     tp, pp, vp = run.tp, run.pp, run.virtual_stages
     stage_map = partition_layers(config, pp, vp)
-    tensors: dict[str, torch.Tensor] = {}
-    filled: dict[str, int] = {}
+    assembled = FullTensors()
     for p in range(pp):
         for t in range(tp):
             path = megatron_lm.legacy_file(run.directory, t, p, pp)
@@ -100,24 +86,9 @@ def _legacy_tensors(
                 chunk.to(next(iter(state.values())).dtype)
                 legacy.load_chunk_state(chunk, _unfused(state), f"{path} [chunk {i}]")
             named = [item for chunk in chunks for item in chunk.named_parameters()]
-            for name, pieces in model_shards(named, t, tp, config.num_layers).items():
-                for piece in pieces:
-                    full = tensors.get(name)
-                    if full is None:
-                        full = torch.empty(piece.global_shape, dtype=piece.tensor.dtype)
-                        tensors[name] = full
-                    view = full
-                    for dim, (start, size) in enumerate(zip(piece.offsets, piece.tensor.shape)):
-                        view = view.narrow(dim, start, size)
-                    view.copy_(piece.tensor)
-                    filled[name] = filled.get(name, 0) + piece.tensor.numel()
+            assembled.add(model_shards(named, t, tp, config.num_layers))
             say(f" read {os.path.relpath(path, run.directory)}")
-    for name, full in tensors.items():
-        if filled[name] != full.numel():
-            raise CheckpointError(
-                f"checkpoint {run.directory}: tensor {name}: the mp_rank files hold "
-                f"{filled[name]} of its {full.numel()} elements"
-            )
+    tensors = assembled.complete(run.directory)
     return tensors
 
 
@@ -129,7 +100,7 @@ def read_megatron_lm(
     run = megatron_lm.read_run(directory, release)
     config = model_config_from_args(run.args, run.vocab_size)
     if run.format == "torch_dist":
-        tensors = _dist_tensors(run.directory)
+        tensors = model_tensors(run.directory, run.vocab_size, require_checksums=False)
     else:
         tensors = _legacy_tensors(run, config, say)
     if WORD_EMBEDDING not in tensors:
@@ -165,30 +136,6 @@ def convert_any(load_dir: str, save_dir: str, tp: int, pp: int, fmt: str, say: S
     say(f" reading {directory} (model weights only: the optimizer state is dropped)")
     source = read_any(directory, iteration == RELEASE, say)
     return write_source(source, save_dir, tp, pp, fmt, max(iteration, 0), say)
-
-
-def fill_chunks(chunks: list[torch.nn.Module], source: Source, tp_rank: int, tp: int) -> None:
-    """Copy the source's full tensors into a live run's model chunks in place (each rank its
-    own pieces; the chunks keep their dtype)."""
-    named = [item for chunk in chunks for item in chunk.named_parameters()]
-    wanted = model_shards(named, tp_rank, tp, source.config.num_layers, loading=True)
-    with torch.no_grad():
-        for name, pieces in wanted.items():
-            full = source.tensors.get(name)
-            if full is None:
-                raise CheckpointError(f"checkpoint {source.directory}: tensor {name} is missing")
-            for piece in pieces:
-                if tuple(full.shape) != tuple(piece.global_shape):
-                    raise CheckpointError(
-                        f"checkpoint {source.directory}: tensor {name} has shape "
-                        f"{tuple(full.shape)}, this model's is {tuple(piece.global_shape)} "
-                        "(model flags that differ from the checkpoint's: --use-checkpoint-args "
-                        "takes them from it)"
-                    )
-                view = full
-                for dim, (start, size) in enumerate(zip(piece.offsets, piece.tensor.shape)):
-                    view = view.narrow(dim, start, size)
-                piece.tensor.copy_(view)
 
 
 # ModelConfig fields that must agree between the run and the checkpoint it loads weights from
