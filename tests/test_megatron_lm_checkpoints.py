@@ -130,6 +130,15 @@ def test_training_continues_from_a_megatron_lm_checkpoint(written) -> None:
     assert "was written by Megatron-LM (torch_dist, TP 1 x PP 1)" in stdout
 
 
+def test_without_model_flags_the_checkpoint_gives_them(written) -> None:
+    """No --num-layers etc. on the command line (they are required otherwise): the missing
+    ones come from the checkpoint --load names; the Llama model (rope, RMSNorm, SwiGLU, GQA,
+    untied) continues as saved."""
+    load = written["llama"]["torch_dist"]
+    _, stdout = run(1, [*COMMON, "--load", load, "--train-iters", "20", "--exit-interval", "6"])
+    assert [int(m[1]) for m in map(LOSS_LINE.match, stdout.splitlines()) if m] == [6], stdout
+
+
 def test_the_schedule_rule_and_finetune_apply_to_megatron_lm_checkpoints(written) -> None:
     load = written["gpt"]["torch_dist"]
     flags = [*COMMON, "--load", load, "--use-checkpoint-args", "--train-iters", "8"]

@@ -68,10 +68,50 @@ def _literal(text: str) -> object:
         return text
 
 
+REQUIRED_MODEL_FLAGS = ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length")
+
+
+def _given(argv: Sequence[str], flag: str) -> bool:
+    return any(token == flag or token.startswith(flag + "=") for token in argv)
+
+
 def checkpoint_flags(argv: Sequence[str], known: set[str]) -> list[str]:
-    """The flags --use-checkpoint-args adds (those among `known`, the parser's); [] without it."""
-    if FLAG not in argv:
-        return []
+    """The flags to append to `argv` (those among `known`, the parser's): with
+    --use-checkpoint-args every model flag the checkpoint records (the checkpoint wins); without
+    it, when --load names a checkpoint and the command line lacks the model's required flags,
+    the ones it does not give (the command line wins); else none."""
+    if FLAG in argv:
+        return _flags_of_checkpoint(argv, known)
+    missing = [flag for flag in REQUIRED_MODEL_FLAGS if not _given(argv, flag)]
+    load = _value_after(argv, "--load")
+    if not missing or load is None or read_tracker_quietly(load) is None:
+        return []  # argparse names the missing flags, as before
+    flags = _flags_of_checkpoint(argv, known)
+    return _not_given(flags, argv)
+
+
+def read_tracker_quietly(load: str) -> int | None:
+    """The tracker's iteration, or None when there is none or it cannot be read (the load
+    itself reports that later)."""
+    try:
+        return read_tracker(load)
+    except CheckpointError:
+        return None
+
+
+def _not_given(flags: list[str], argv: Sequence[str]) -> list[str]:
+    """`flags` without those `argv` gives (a switch, or a flag with its value)."""
+    out, i = [], 0
+    while i < len(flags):
+        takes_value = i + 1 < len(flags) and not flags[i + 1].startswith("--")
+        item = flags[i : i + 2] if takes_value else flags[i : i + 1]
+        if not _given(argv, flags[i]):
+            out += item
+        i += len(item)
+    return out
+
+
+def _flags_of_checkpoint(argv: Sequence[str], known: set[str]) -> list[str]:
     load = _value_after(argv, "--load")
     if load is None:
         raise ConfigError(f"{FLAG} needs --load (the checkpoint whose arguments to use)")

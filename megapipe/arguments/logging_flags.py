@@ -223,7 +223,9 @@ def add_checkpoint_args(group: argparse._ArgumentGroup) -> None:
         "--use-checkpoint-args",
         action="store_true",
         help="Take the model's shape and tokenizer flags from the checkpoint --load names "
-        "(megapipe's or Megatron-LM's); they win over the command line's, as in Megatron-LM.",
+        "(megapipe's or Megatron-LM's); they win over the command line's, as in Megatron-LM. "
+        "Without it, a --load checkpoint still gives the model flags the command line leaves "
+        "out.",
     )
     add("--no-save-optim", action="store_true", help="Do not save the optimizer state.")
     add("--no-save-rng", action="store_true", help="Do not save the random states.")
