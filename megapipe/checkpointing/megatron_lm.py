@@ -25,6 +25,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from megapipe.checkpointing.atomic_dir import CHECKSUMS_NAME
 from megapipe.checkpointing.errors import CheckpointError
 from megapipe.checkpointing.run_state import Progress
 from megapipe.checkpointing.safe_pickle import safe_torch_load
@@ -115,11 +116,14 @@ def first_file(directory: str) -> str | None:
 
 def is_megatron_lm(directory: str) -> bool:
     """Whether an iteration directory was written by Megatron-LM rather than megapipe:
-    its `args` is a Namespace and it has no megapipe `layout` entry. (Reads one pickle,
-    through the allow-list; a damaged file is reported by whoever reads it next.)"""
+    no checksums.json beside its first file, its `args` is a Namespace and it has no megapipe
+    `layout` entry. (Reads one pickle, through the allow-list; a damaged file is reported by
+    whoever reads it next.)"""
     path = first_file(directory)
     if path is None:
         return False
+    if os.path.exists(os.path.join(os.path.dirname(path), CHECKSUMS_NAME)):
+        return False  # megapipe writes checksums beside every file it saves; Megatron-LM none
     try:
         data = load_pickle(path)
     except CheckpointError:
