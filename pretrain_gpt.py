@@ -66,6 +66,7 @@ def _run(argv: list[str]) -> int:
             parallel.tensor_model_parallel_size,
             parallel.pipeline_model_parallel_size,
             device,
+            context_parallel_size=parallel.context_parallel_size,
             data_parallel_instances=configs.optimizer.num_distributed_optimizer_instances,
         )
         train(configs, state)

@@ -55,3 +55,20 @@ def rotating_rounds(
         for name in order:
             times[name].append([timed(name) for _ in range(args.steps)])
     return history, times
+
+
+def run_record(benchmark: str, args: argparse.Namespace) -> dict:
+    """What a benchmark's JSON says about its run: name, UTC time, torch, machine, settings."""
+    import datetime
+    import os
+    import platform
+
+    import torch
+
+    return {
+        "benchmark": benchmark,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "machine": {"arch": platform.machine(), "cpus": os.cpu_count()},
+        "config": {k: v for k, v in vars(args).items() if k != "json"},
+    }

@@ -97,10 +97,16 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How the world is split: TP fastest-varying, then DP, then PP (Megatron's tp-dp-pp)."""
+    """How the world is split: TP fastest-varying, then CP, then DP, then PP (Megatron's
+    tp-cp-dp-pp; tp-dp-pp with CP 1)."""
 
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    # Context parallelism: each sequence split over this many ranks (Megatron's load-balanced
+    # 2 x CP chunks, megapipe/data/context_parallel_split.py); how its attention exchanges
+    # keys and values (p2p ring, all_gather or a2a, Megatron's --cp-comm-type).
+    context_parallel_size: int = 1
+    cp_comm_type: str = "p2p"
     virtual_pipeline_model_parallel_size: int = 1  # model chunks per pipeline rank
     pipeline_schedule: str | None = None  # None: 1f1b, or interleaved-1f1b with virtual stages
     pipeline_partition: str = "uniform"  # or "balanced"
@@ -139,8 +145,8 @@ class ParallelConfig:
         return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
 
     def data_parallel_size(self, world_size: int) -> int:
-        """World size over TP x PP (validation has checked that it divides)."""
-        return world_size // self.model_parallel_size
+        """World size over TP x CP x PP (validation has checked that it divides)."""
+        return world_size // (self.model_parallel_size * self.context_parallel_size)
 
 
 @dataclass(frozen=True)

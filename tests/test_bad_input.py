@@ -303,7 +303,8 @@ FLAG_CASES: list[tuple[Bad, dict, list[str], int]] = [
          "use a positive value"), {name: 0, **others}, [], 1)
       for name, others in (("num_layers", {}), ("hidden_size", {}), ("num_attention_heads", {}),
                            ("seq_length", {}), ("ffn_hidden_size", {}),
-                           ("tensor_model_parallel_size", {}), ("micro_batch_size", {}),
+                           ("tensor_model_parallel_size", {}), ("context_parallel_size", {}),
+                           ("micro_batch_size", {}),
                            ("global_batch_size", {}), ("initial_loss_scale", {"fp16": True}),
                            ("min_loss_scale", {"fp16": True}),
                            ("loss_scale_window", {"fp16": True}))],
@@ -323,10 +324,47 @@ FLAG_CASES: list[tuple[Bad, dict, list[str], int]] = [
     (B("a Megatron-LM flag megapipe does not have", "--num-experts is a Megatron-LM flag that "
        "megapipe does not support yet", "remove the flag (the feature is not in megapipe)"),
      {}, ["--num-experts", "8"], 1),
-    (B("context/expert parallelism above 1", "--context-parallel-size 2: context parallelism is "
+    (B("expert parallelism above 1", "--expert-model-parallel-size 2: expert parallelism is "
        "a Megatron-LM feature that megapipe does not support yet (only 1)",
-       "leave --context-parallel-size / --expert-model-parallel-size at 1"),
-     {"context_parallel_size": 2}, [], 1),
+       "leave --expert-model-parallel-size / --expert-tensor-parallel-size at 1"),
+     {"expert_model_parallel_size": 2}, [], 1),
+    (B("context parallelism above 1 (not wired into training yet)", "--context-parallel-size "
+       "2: context parallelism's process groups and data split are in place, its attention is "
+       "not yet wired into training", "use --context-parallel-size 1 for now"),
+     {"context_parallel_size": 2}, [], 2),
+    (B("world size not a multiple of TP x CP x PP", "world size (2) is not divisible by "
+       "--tensor-model-parallel-size (1) x --context-parallel-size (3) x "
+       "--pipeline-model-parallel-size (1) = 3", "launch a multiple of TP x CP x PP ranks"),
+     {"context_parallel_size": 3}, [], 2),
+    (B("a sequence that does not split into 2 x CP chunks", "--seq-length (30) must be "
+       "divisible by 2 x --context-parallel-size (2) = 4", "use a --seq-length that is a "
+       "multiple of 2 x --context-parallel-size"),
+     {"context_parallel_size": 2, "seq_length": 30}, [], 2),
+    (B("CP with sequence parallelism and a sequence that does not split over CP x TP",
+       "--seq-length (36) must be divisible by --context-parallel-size (2) x "
+       "--tensor-model-parallel-size (4) = 8 with --sequence-parallel", "use a --seq-length "
+       "that is a multiple of CP x TP (and of 2 x CP)"),
+     {"context_parallel_size": 2, "tensor_model_parallel_size": 4, "sequence_parallel": True,
+      "seq_length": 36}, [], 8),
+    (B("--cp-comm-type a2a with heads per TP rank not divisible by CP", "--cp-comm-type a2a: "
+       "--num-attention-heads (4) / --tensor-model-parallel-size (2) must be divisible by "
+       "--context-parallel-size (4)", "use p2p or all_gather, or heads and query groups per TP "
+       "rank that are multiples of CP"),
+     {"context_parallel_size": 4, "tensor_model_parallel_size": 2, "cp_comm_type": "a2a"}, [],
+     8),
+    (B("--cp-comm-type a2a with query groups per TP rank not divisible by CP", "--cp-comm-type "
+       "a2a: --num-query-groups (2) / --tensor-model-parallel-size (1) must be divisible by "
+       "--context-parallel-size (4)", "use p2p or all_gather, or more query groups"),
+     {"context_parallel_size": 4, "cp_comm_type": "a2a", "num_attention_heads": 8,
+      "group_query_attention": True, "num_query_groups": 2}, [], 4),
+    (B("a --cp-comm-type per layer", "--cp-comm-type p2p a2a: a communication type per layer "
+       "is not supported yet", "give one type for every layer"),
+     {}, ["--cp-comm-type", "p2p", "a2a"], 1),
+    (B("--cp-comm-type a2a+p2p", "--cp-comm-type a2a+p2p (hierarchical context parallelism) "
+       "is not supported yet", "use p2p, all_gather or a2a"),
+     {"cp_comm_type": "a2a+p2p"}, [], 1),
+    (B("an unknown --cp-comm-type", "--cp-comm-type 'ring' is not one of p2p, all_gather, a2a",
+       "use p2p, all_gather or a2a"), {"cp_comm_type": "ring"}, [], 1),
     (B("a misspelt flag", "unrecognized arguments: --hiden-size 64 (--hiden-size: did you mean "
        "--hidden-size?)", "use the suggested flag"), {"hiden_size": 64}, [], 1),
     (B("both --train-iters and --train-samples", "pass exactly one of --train-iters and "

@@ -46,8 +46,8 @@ def logged(stdout: str) -> list[re.Match]:
          "support yet"),
         (["--fp8", "e4m3"], "--fp8 is a Megatron-LM flag that megapipe does not support yet"),
         (["--moe-router-topk=2"], "--moe-router-topk is a Megatron-LM flag"),
-        (["--context-parallel-size", "2"], "--context-parallel-size 2: context parallelism is "
-         "a Megatron-LM feature that megapipe does not support yet (only 1)"),
+        (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size 2: expert "
+         "parallelism is a Megatron-LM feature that megapipe does not support yet (only 1)"),
         (["--hiden-size", "32"], "unrecognized arguments: --hiden-size 32 (--hiden-size: did "
          "you mean --hidden-size?)"),
     ],

@@ -36,7 +36,7 @@ from megapipe.arguments.model_flags import (
     add_regularization_args,
     resolve_position_embedding,
 )
-from megapipe.arguments.parallel_flags import add_distributed_args, virtual_stages
+from megapipe.arguments.parallel_flags import add_distributed_args, cp_comm_type, virtual_stages
 from megapipe.arguments.recompute_flags import add_recompute_args, recompute_config
 from megapipe.arguments.sharding_flags import add_sharding_args, resolve_sharding
 from megapipe.arguments.training_flags import add_optimizer_args, add_training_args
@@ -159,6 +159,8 @@ def parse_args(argv: Sequence[str] | None, world_size: int) -> Configs:
     parallel = ParallelConfig(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
+        cp_comm_type=cp_comm_type(args),
         virtual_pipeline_model_parallel_size=virtual_stages(args),
         pipeline_schedule=args.pipeline_schedule,
         pipeline_partition=args.pipeline_partition,

@@ -4,7 +4,7 @@ which are refused by name, and what an unknown flag probably meant.
 A Megatron-LM user's launch script carries flags that only matter on a GPU with fused kernels
 (`--use-cpu-initialization`, `--no-gradient-accumulation-fusion`, ...). Those are accepted and
 reported once at start-up as having no effect, so the script runs unchanged. A Megatron-LM
-feature megapipe does not have yet (`--num-experts`, `--context-parallel-size 2`) is refused
+feature megapipe does not have yet (`--num-experts`, `--expert-model-parallel-size 2`) is refused
 with a line that names it, rather than argparse's generic "unrecognized arguments", and never
 silently ignored.
 """
@@ -72,11 +72,11 @@ UNSUPPORTED_FLAGS: tuple[str, ...] = (
     "--encoder-num-layers",
     "--decoder-num-layers",
     "--sft",
+    "--hierarchical-context-parallel-sizes",
 )
 
 # Parallelism kinds megapipe does not have: accepted at their default of 1.
 SIZE_ONE_FLAGS: dict[str, str] = {
-    "--context-parallel-size": "context parallelism",
     "--expert-model-parallel-size": "expert parallelism",
     "--expert-tensor-parallel-size": "expert tensor parallelism",
 }

@@ -1,4 +1,4 @@
-"""Flags for tensor, pipeline and sequence parallelism and the process-group backend."""
+"""Flags for tensor, pipeline, context and sequence parallelism and the process-group backend."""
 
 from __future__ import annotations
 
@@ -30,6 +30,23 @@ def add_distributed_args(group: argparse._ArgumentGroup) -> None:
         type=int,
         default=1,
         help="Degree of pipeline model parallelism. Default: 1.",
+    )
+    group.add_argument(
+        "--context-parallel-size",
+        type=int,
+        default=1,
+        help="Degree of context parallelism: each sequence split over this many ranks (2 x CP "
+        "load-balanced chunks). Default: 1. The process groups and the data split are in "
+        "place; sizes above 1 are refused until its attention is wired into training.",
+    )
+    group.add_argument(
+        "--cp-comm-type",
+        nargs="+",
+        default=["p2p"],
+        help="How context-parallel attention exchanges keys and values: p2p (a ring of "
+        "send/receive overlapped with compute), all_gather, or a2a (all-to-all over the heads, "
+        "needs heads and query groups per TP rank divisible by CP). Default: p2p. One value "
+        "for every layer (a per-layer list and a2a+p2p are not supported yet).",
     )
     group.add_argument(
         "--num-layers-per-virtual-pipeline-stage",
@@ -194,3 +211,26 @@ def virtual_stages(args: argparse.Namespace) -> int:
             f"({pp}) x --num-layers-per-virtual-pipeline-stage ({per_stage})"
         )
     return args.num_layers // (pp * per_stage)
+
+
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
+
+
+def cp_comm_type(args: argparse.Namespace) -> str:
+    """The one --cp-comm-type of every layer; Megatron's per-layer list and hierarchical
+    a2a+p2p are refused by name."""
+    values = list(args.cp_comm_type)
+    if len(values) != 1:
+        raise ConfigError(
+            f"--cp-comm-type {' '.join(values)}: a communication type per layer is not "
+            "supported yet; give one of p2p, all_gather, a2a for every layer"
+        )
+    value = values[0]
+    if value == "a2a+p2p":
+        raise ConfigError(
+            "--cp-comm-type a2a+p2p (hierarchical context parallelism) is not supported yet; "
+            "use p2p, all_gather or a2a"
+        )
+    if value not in CP_COMM_TYPES:
+        raise ConfigError(f"--cp-comm-type {value!r} is not one of {', '.join(CP_COMM_TYPES)}")
+    return value

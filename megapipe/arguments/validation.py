@@ -148,21 +148,64 @@ def validate_parallel(parallel: ParallelConfig, world_size: int) -> None:
     _positive(
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        context_parallel_size=parallel.context_parallel_size,
         distributed_timeout_minutes=parallel.distributed_timeout_minutes,
     )
     if parallel.watchdog_max_seconds is not None:  # 0 would end the first step at once
         _positive(watchdog_max_seconds=parallel.watchdog_max_seconds)
-    model_parallel = parallel.model_parallel_size
+    cp = parallel.context_parallel_size
+    model_parallel = parallel.model_parallel_size * cp  # the ranks of one data-parallel replica
     _require(
         world_size % model_parallel == 0,
         f"world size ({world_size}) is not divisible by --tensor-model-parallel-size "
-        f"({parallel.tensor_model_parallel_size}) x --pipeline-model-parallel-size "
-        f"({parallel.pipeline_model_parallel_size}) = {model_parallel}",
+        f"({parallel.tensor_model_parallel_size})"
+        + (f" x --context-parallel-size ({cp})" if cp > 1 else "")
+        + f" x --pipeline-model-parallel-size ({parallel.pipeline_model_parallel_size}) = "
+        f"{model_parallel}",
     )
     _require(
         parallel.distributed_backend in (None, "gloo", "nccl"),
         f"--distributed-backend {parallel.distributed_backend!r} is not one of gloo, nccl",
     )
+
+
+# Refused while context-parallel attention is not wired into training (the next step of
+# issue 25): the rank layout, the flags and the data split are in place.
+CP_NOT_WIRED = (
+    "--context-parallel-size {cp}: context parallelism's process groups and data split are in "
+    "place, its attention is not yet wired into training; use --context-parallel-size 1"
+)
+
+
+def validate_context_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """The sequence splits into 2 x CP chunks (Megatron's load balancing), and a2a splits the
+    heads and query groups of each TP rank over CP."""
+    cp, tp = parallel.context_parallel_size, parallel.tensor_model_parallel_size
+    if cp == 1:
+        return
+    _require(
+        model.seq_length % (2 * cp) == 0,
+        f"--seq-length ({model.seq_length}) must be divisible by 2 x --context-parallel-size "
+        f"({cp}) = {2 * cp}: each rank holds two of 2 x CP equal chunks",
+    )
+    if parallel.sequence_parallel:
+        _require(
+            model.seq_length % (cp * tp) == 0,
+            f"--seq-length ({model.seq_length}) must be divisible by --context-parallel-size "
+            f"({cp}) x --tensor-model-parallel-size ({tp}) = {cp * tp} with "
+            "--sequence-parallel: each CP rank's part splits over TP",
+        )
+    if parallel.cp_comm_type == "a2a":
+        for name, count in (
+            ("--num-attention-heads", model.num_attention_heads),
+            ("--num-query-groups", model.num_query_groups),
+        ):
+            _require(
+                count % (tp * cp) == 0,
+                f"--cp-comm-type a2a: {name} ({count}) / --tensor-model-parallel-size ({tp}) "
+                f"must be divisible by --context-parallel-size ({cp}) (all-to-all splits each "
+                "TP rank's heads over CP)",
+            )
 
 
 def validate_optimizer(opt: OptimizerConfig) -> None:
@@ -336,6 +379,7 @@ def validate_configs(
         parallel = dataclasses.replace(parallel, sequence_parallel=False)
     if parallel.sequence_parallel:
         _divisible(("--seq-length", model.seq_length), ("--tensor-model-parallel-size", tp))
+    validate_context_parallel(model, parallel)
     _require(
         parallel.pipeline_model_parallel_size <= model.num_layers,
         f"--pipeline-model-parallel-size ({parallel.pipeline_model_parallel_size}) exceeds "
@@ -375,13 +419,15 @@ def validate_configs(
         data_parallel_size=dp,
     )
     validate_recompute(recompute, stage_map)
-    validate_sharding(optimizer, dp)
+    validate_sharding(optimizer, dp * parallel.context_parallel_size)  # shards over DP x CP
     logging = others.get("logging")
     if isinstance(logging, LoggingConfig):
         notes += validate_logging(logging, world_size)
     data = others.get("data")
     if isinstance(data, DataConfig):
         validate_data(data)
+    cp = parallel.context_parallel_size
+    _require(cp == 1, CP_NOT_WIRED.format(cp=cp))  # last: every other check has passed
     for note in notes:
         warnings.warn(note, stacklevel=2)
     return Configs(

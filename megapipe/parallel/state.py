@@ -1,13 +1,15 @@
 """Process groups for 3D parallelism, held in one object that is passed to whoever needs it.
 
-Rank layout (Megatron's default "tp-dp-pp" order): TP is the fastest-varying index, then DP,
-then PP, so `rank = tp_rank + tp * (dp_rank + dp * pp_rank)`. The ranks of one TP group are
-adjacent (one node, NVLink); pipeline stages are outermost.
+Rank layout (Megatron's default "tp-cp-dp-pp" order): TP is the fastest-varying index, then
+CP (context parallelism), then DP, then PP, so
+`rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))`; with CP 1 this is Megatron's
+"tp-dp-pp". The ranks of one TP group are adjacent (one node, NVLink); pipeline stages are
+outermost. Each kind's groups are listed as Megatron-Core's `RankGenerator.get_ranks` lists them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -41,34 +43,58 @@ class Group:
         return cls((global_rank,), 0)
 
 
-def rank_layout(world_size: int, tp: int, pp: int) -> dict[str, list[list[int]]]:
+def _coordinates(
+    world_size: int, tp: int, pp: int, cp: int = 1
+) -> tuple[int, Callable[[int, int, int, int], int]]:
+    """(dp, rank(t, c, d, p)) for the tp-cp-dp-pp order; ConfigError when the sizes do not fit."""
+    if tp <= 0 or pp <= 0 or cp <= 0 or world_size % (tp * cp * pp) != 0:
+        context = f" x --context-parallel-size ({cp})" if cp != 1 else ""
+        raise ConfigError(
+            f"world size ({world_size}) is not divisible by --tensor-model-parallel-size ({tp})"
+            f"{context} x --pipeline-model-parallel-size ({pp})"
+        )
+    dp = world_size // (tp * cp * pp)
+
+    def rank(t: int, c: int, d: int, p: int) -> int:
+        return t + tp * (c + cp * (d + dp * p))
+
+    return dp, rank
+
+
+def rank_layout(world_size: int, tp: int, pp: int, cp: int = 1) -> dict[str, list[list[int]]]:
     """All groups of each kind, as lists of global ranks, for a world of `world_size`.
 
     Pure and deterministic: every rank computes the same lists, in the same order, which is what
-    `torch.distributed.new_group` requires.
+    `torch.distributed.new_group` requires. With context parallelism (`cp` > 1) the DP groups
+    hold the ranks of one CP index (Megatron's "dp"); the CP groups and the DP x CP groups are
+    `context_parallel_layout`'s.
     """
-    if tp <= 0 or pp <= 0 or world_size % (tp * pp) != 0:
-        raise ConfigError(
-            f"world size ({world_size}) is not divisible by --tensor-model-parallel-size ({tp}) "
-            f"x --pipeline-model-parallel-size ({pp})"
-        )
-    dp = world_size // (tp * pp)
-
-    def rank(t: int, d: int, p: int) -> int:
-        return t + tp * (d + dp * p)
-
+    dp, rank = _coordinates(world_size, tp, pp, cp)
+    T, C, D, P = range(tp), range(cp), range(dp), range(pp)
     groups: dict[str, list[list[int]]] = {
         "world": [list(range(world_size))],
-        "tp": [[rank(t, d, p) for t in range(tp)] for p in range(pp) for d in range(dp)],
-        "dp": [[rank(t, d, p) for d in range(dp)] for p in range(pp) for t in range(tp)],
-        "pp": [[rank(t, d, p) for p in range(pp)] for d in range(dp) for t in range(tp)],
-        "model_parallel": [
-            [rank(t, d, p) for p in range(pp) for t in range(tp)] for d in range(dp)
-        ],
+        "tp": [[rank(t, c, d, p) for t in T] for p in P for d in D for c in C],
+        "dp": [[rank(t, c, d, p) for d in D] for p in P for c in C for t in T],
+        "pp": [[rank(t, c, d, p) for p in P] for d in D for c in C for t in T],
+        "model_parallel": [[rank(t, c, d, p) for p in P for t in T] for d in D for c in C],
     }
     # Tied input/output embeddings live on the first and last stage; their grads meet here.
     groups["embedding"] = [sorted({g[0], g[-1]}) for g in groups["pp"]]
     return groups
+
+
+def context_parallel_layout(
+    world_size: int, tp: int, pp: int, cp: int
+) -> dict[str, list[list[int]]]:
+    """The context-parallel groups of the tp-cp-dp-pp layout: `cp`, the ranks that hold one
+    sequence's parts, and `dp_cp`, the ranks that hold one model replica's parameters (DP x CP,
+    CP fastest): gradients are reduced, and the distributed optimizer shards, over `dp_cp`."""
+    dp, rank = _coordinates(world_size, tp, pp, cp)
+    T, C, D, P = range(tp), range(cp), range(dp), range(pp)
+    return {
+        "cp": [[rank(t, c, d, p) for c in C] for p in P for d in D for t in T],
+        "dp_cp": [[rank(t, c, d, p) for d in D for c in C] for p in P for t in T],
+    }
 
 
 PipelineLink = tuple[str, int, int]  # (phase "F" or "B", sending pp rank, receiving pp rank)
@@ -127,7 +153,7 @@ def hybrid_layout(dp_groups: list[list[int]], instances: int) -> dict[str, list[
 
 @dataclass(frozen=True)
 class ParallelState:
-    """This rank's place in the TP x DP x PP cube and the groups it communicates over."""
+    """This rank's place in the TP x CP x DP x PP layout and the groups it communicates over."""
 
     world_size: int
     rank: int
@@ -145,10 +171,27 @@ class ParallelState:
     # of the ranks at the same place in each (`dp_outer`, across which they are replicated).
     dp_inner: Group | None = None
     dp_outer: Group | None = None
+    # Context parallelism: `cp`, the ranks that each hold a part of one sequence, and `dp_cp`,
+    # DP x CP, the ranks that hold one replica's parameters (where gradients are reduced and
+    # the distributed optimizer shards). Left out (CP 1), they are this rank alone and `dp`.
+    cp: Group = None  # type: ignore[assignment]  # set in __post_init__ when not given
+    dp_cp: Group = None  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.cp is None:
+            object.__setattr__(self, "cp", Group.single(self.rank))
+        if self.dp_cp is None:
+            if self.cp.size > 1:
+                raise ValueError("ParallelState with a context-parallel group needs its dp_cp")
+            object.__setattr__(self, "dp_cp", self.dp)
 
     @property
     def tp_rank(self) -> int:
         return self.tp.rank
+
+    @property
+    def cp_rank(self) -> int:
+        return self.cp.rank
 
     @property
     def pp_rank(self) -> int:
@@ -180,13 +223,15 @@ class ParallelState:
         pipeline_model_parallel_size: int = 1,
         device: torch.device | str | None = None,
         *,
+        context_parallel_size: int = 1,
         data_parallel_instances: int = 1,
     ) -> ParallelState:
         """Create every group from the initialised default process group.
 
         Collective: all ranks must call it with the same sizes. Groups of one rank get no torch
         process group at all (nothing to communicate), which also keeps start-up fast. Every
-        group gets the default group's timeout (--distributed-timeout-minutes).
+        group gets the default group's timeout (--distributed-timeout-minutes). With CP 1 no
+        context-parallel group is created (`dp_cp` is `dp`), so the groups are those of before.
         """
         if not dist.is_initialized():
             raise RuntimeError(
@@ -194,30 +239,44 @@ class ParallelState:
                 "use ParallelState.single() for one process"
             )
         world, me = dist.get_world_size(), dist.get_rank()
-        layout = rank_layout(world, tensor_model_parallel_size, pipeline_model_parallel_size)
+        tp, pp, cp = (
+            tensor_model_parallel_size,
+            pipeline_model_parallel_size,
+            context_parallel_size,
+        )
+        layout = rank_layout(world, tp, pp, cp)
         mine: dict[str, Group | None] = dict.fromkeys(GROUP_KINDS)
         timeout = default_group_timeout()
-        for kind in GROUP_KINDS:
-            for ranks in layout[kind]:
-                pg = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
-                if me in ranks:
-                    mine[kind] = Group(tuple(ranks), ranks.index(me), pg)
+
+        def create(lists: Mapping[str, list[list[int]]], into: dict[str, Group | None]) -> None:
+            for kind, groups in lists.items():
+                for ranks in groups:
+                    pg = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
+                    if me in ranks:
+                        into[kind] = Group(tuple(ranks), ranks.index(me), pg)
+
+        create({kind: layout[kind] for kind in GROUP_KINDS}, mine)
         links: dict[PipelineLink, Group] = {}
         for ranks in layout["pp"]:
             links.update(new_link_groups(ranks, me, timeout))
+        context: dict[str, Group | None] = {"cp": None, "dp_cp": None}
+        replica_groups = layout["dp"]  # where parameters are sharded: DP, or DP x CP
+        if cp > 1:
+            cp_layout = context_parallel_layout(world, tp, pp, cp)
+            create(cp_layout, context)
+            replica_groups = cp_layout["dp_cp"]
         hybrid: dict[str, Group | None] = {"dp_inner": None, "dp_outer": None}
         if data_parallel_instances > 1:
-            for kind, lists in hybrid_layout(layout["dp"], data_parallel_instances).items():
-                for ranks in lists:
-                    pg = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
-                    if me in ranks:
-                        hybrid[kind] = Group(tuple(ranks), ranks.index(me), pg)
+            create(hybrid_layout(replica_groups, data_parallel_instances), hybrid)
         if device is None:
             device = torch.device("cpu")
-        return cls(world, me, device=torch.device(device), pp_links=links, **mine, **hybrid)
+        return cls(
+            world, me, device=torch.device(device), pp_links=links, **mine, **hybrid, **context
+        )
 
     def describe(self) -> str:
+        context = f" cp {self.cp_rank}/{self.cp.size}" if self.cp.size > 1 else ""
         return (
-            f"rank {self.rank}: tp {self.tp_rank}/{self.tp.size} dp {self.dp_rank}/"
+            f"rank {self.rank}: tp {self.tp_rank}/{self.tp.size}{context} dp {self.dp_rank}/"
             f"{self.dp.size} pp {self.pp_rank}/{self.pp.size}"
         )

@@ -153,6 +153,7 @@ def train_with_flags(rank: int, world_size: int, argv: list[str]) -> tuple[list,
     state = ParallelState.build(
         parallel.tensor_model_parallel_size,
         parallel.pipeline_model_parallel_size,
+        context_parallel_size=parallel.context_parallel_size,
         data_parallel_instances=configs.optimizer.num_distributed_optimizer_instances,
     )
     out = io.StringIO()

@@ -127,7 +127,9 @@ def _check_and_announce_layout(configs: Configs, state: ParallelState) -> None:
     """Megatron's world-size line; a forced attention backend that cannot run here fails now."""
     print_rank_0(
         state,
-        world_size_line(state.world_size, state.dp.size, state.tp.size, state.pp.size),
+        world_size_line(
+            state.world_size, state.dp.size, state.tp.size, state.pp.size, state.cp.size
+        ),
     )
     sharding = describe_sharding(configs.optimizer, state)
     if sharding is not None:

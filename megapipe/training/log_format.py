@@ -10,11 +10,17 @@ from collections.abc import Mapping
 
 
 def world_size_line(
-    world_size: int, data_parallel: int, tensor_parallel: int, pipeline: int
+    world_size: int,
+    data_parallel: int,
+    tensor_parallel: int,
+    pipeline: int,
+    context_parallel: int = 1,
 ) -> str:
-    """The layout summary rank 0 prints at start-up."""
+    """The layout summary rank 0 prints at start-up (the context-parallel size, where Megatron
+    prints it, only when above 1: the line of a run without CP stays as parsers know it)."""
+    context = f"context-parallel size: {context_parallel}, " if context_parallel > 1 else ""
     return (
-        f"using world size: {world_size}, data-parallel size: {data_parallel}, "
+        f"using world size: {world_size}, data-parallel size: {data_parallel}, {context}"
         f"tensor-model-parallel size: {tensor_parallel}, "
         f"pipeline-model-parallel size: {pipeline}"
     )

@@ -1,0 +1,281 @@
+"""Context parallelism (CP): attention over a sequence split across the ranks of a CP group.
+
+Layout (Megatron's load-balanced causal split): a sequence of S tokens is cut into 2*CP chunks
+of S/(2*CP); CP rank r holds chunks r and 2*CP-1-r, concatenated in that order. Under a causal
+mask an early chunk is cheap and a late one dear, so pairing them gives every rank the same
+work. `chunk_positions` gives the global positions a rank holds, `split_sequence` cuts a full
+tensor into a rank's share and `gather_from_cp` puts the shares back in global order.
+
+`context_parallel_attention` is, for every rank's rows, exactly causal attention over the whole
+sequence (values and gradients), the mask taken from the tokens' global positions (and, for
+packed documents, their document ids: Megatron's --reset-attention-mask). Three ways to get
+the keys and values a rank's queries need (`comm_type`, Megatron's --cp-comm-type):
+
+- "p2p": ring attention (`context_parallel_ring.py`): K/V blocks travel the CP ring, each
+  step's transfer overlapping the previous block's attention; nothing [s, S] is materialised;
+  each block runs through torch's CPU flash-attention kernels where available, else (and as
+  the tested reference) through plain matmuls and an fp32 softmax;
+- "all_gather": K/V gathered from every rank once (backward: dK/dV reduce-scattered), then the
+  local queries attend to the keys up to their own last position;
+- "a2a" (DeepSpeed Ulysses): an all-to-all turns the sequence split into a head split
+  ([b, heads/CP, S, d], chunks put back in global order), plain causal attention runs on whole
+  sequences, and a second all-to-all turns it back; needs heads and query groups divisible by CP.
+
+Not wired into the model yet; attention dropout is not supported yet (`dropout_p` must be 0).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megapipe.data.context_parallel_split import chunk_positions
+from megapipe.model.context_parallel_ring import (
+    CPGroup,
+    Layout,
+    RingAttention,
+    fused_blocks_available,
+    halves,
+    pair_mask,
+)
+from megapipe.parallel.mappings import all_gather_single, reduce_scatter_single
+
+COMM_TYPES = ("p2p", "all_gather", "a2a")
+
+__all__ = [
+    "COMM_TYPES",
+    "context_parallel_attention",
+    "cp_group",
+    "gather_from_cp",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# Layout.
+# --------------------------------------------------------------------------------------------
+
+
+def gather_from_cp(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """Every rank's share (sequence along `dim`) put back into the full sequence in global
+    order, on every rank (an all-gather over the CP group). Plain tensors: no autograd."""
+    cp = cp_group(group)
+    if cp.size == 1:
+        return x
+    pieces = _all_gather_dim0(x.movedim(dim, 0), cp)
+    seq_len = pieces.shape[0]
+    order = torch.cat([chunk_positions(seq_len, cp.size, r) for r in range(cp.size)])
+    full = torch.empty_like(pieces).index_copy_(0, order.to(x.device), pieces)
+    return full.movedim(0, dim)
+
+
+def cp_group(group) -> CPGroup:
+    """Normalise the CP group: megapipe's `Group`, a torch `ProcessGroup`, or None (one rank)."""
+    if group is None:
+        return CPGroup(None, 0, 1, (dist.get_rank() if dist.is_initialized() else 0,))
+    if isinstance(group, CPGroup):
+        return group
+    if hasattr(group, "ranks") and hasattr(group, "pg"):  # megapipe.parallel.state.Group
+        return CPGroup(group.pg, group.rank, group.size, tuple(group.ranks))
+    size = dist.get_world_size(group)
+    ranks = tuple(dist.get_global_rank(group, r) for r in range(size))
+    return CPGroup(group, dist.get_rank(group), size, ranks)
+
+
+def _all_gather_dim0(x: torch.Tensor, cp: CPGroup) -> torch.Tensor:
+    x = x.contiguous()
+    out = x.new_empty((x.shape[0] * cp.size, *x.shape[1:]))
+    all_gather_single(out, x, group=cp.pg)
+    return out
+
+
+def _layout(
+    cp: CPGroup, s_local: int, positions: torch.Tensor | None, documents: torch.Tensor | None
+) -> Layout:
+    """Every rank's positions and document ids (gathered; the default positions are computed),
+    on the CPU: the masks are decided there (which blocks to skip) and then moved."""
+    if positions is None:
+        if cp.size > 1 and s_local % 2:
+            raise ValueError(
+                f"local sequence length {s_local} is odd: the load-balanced layout holds two "
+                "equal chunks per context-parallel rank"
+            )
+        pos = [chunk_positions(s_local * cp.size, cp.size, r) for r in range(cp.size)]
+    elif cp.size == 1:
+        pos = [positions.long().cpu()]
+    else:
+        pos = list(_all_gather_dim0(positions.long(), cp).cpu().chunk(cp.size))
+    docs = None
+    if documents is not None:
+        if cp.size == 1:
+            docs = [documents.long().cpu()]
+        else:
+            gathered = _all_gather_dim0(documents.long().t(), cp).t().cpu()
+            docs = list(gathered.chunk(cp.size, dim=1))
+    return Layout(pos, docs)
+
+
+# --------------------------------------------------------------------------------------------
+# all_gather and a2a: collectives with their adjoints.
+# --------------------------------------------------------------------------------------------
+
+
+class _GatherSequence(torch.autograd.Function):
+    """[b, g, s, d] -> [b, g, CP*s, d], the ranks' blocks in rank order; backward: the
+    gradient summed over the group and this rank's block kept (a reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x, cp: CPGroup):
+        ctx.cp = cp
+        return _all_gather_dim0(x.movedim(2, 0), cp).movedim(0, 2).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        cp = ctx.cp
+        grad = grad.movedim(2, 0).contiguous()
+        out = grad.new_empty((grad.shape[0] // cp.size, *grad.shape[1:]))
+        reduce_scatter_single(out, grad, group=cp.pg)
+        return out.movedim(0, 2).contiguous(), None
+
+
+def _all_to_all(x: torch.Tensor, cp: CPGroup, to_heads: bool) -> torch.Tensor:
+    """to_heads: [b, h, s, d] (sequence split) -> [b, h/CP, CP*s, d] (head split, the ranks'
+    blocks in rank order); otherwise the inverse."""
+    p = cp.size
+    if to_heads:
+        b, h, s, d = x.shape
+        send = x.reshape(b, p, h // p, s, d).transpose(0, 1).contiguous()
+    else:
+        b, hp, seq, d = x.shape
+        send = x.reshape(b, hp, p, seq // p, d).permute(2, 0, 1, 3, 4).contiguous()
+    received = torch.empty_like(send)  # [source rank, b, ...]
+    dist.all_to_all_single(received, send, group=cp.pg)
+    if to_heads:
+        return received.permute(1, 2, 0, 3, 4).reshape(b, h // p, p * s, d)
+    return received.transpose(0, 1).reshape(b, p * hp, seq // p, d)
+
+
+class _AllToAll(torch.autograd.Function):
+    """Ulysses' all-to-all; its adjoint is the inverse all-to-all."""
+
+    @staticmethod
+    def forward(ctx, x, cp: CPGroup, to_heads: bool):
+        ctx.cp, ctx.to_heads = cp, to_heads
+        return _all_to_all(x, cp, to_heads)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all(grad, ctx.cp, not ctx.to_heads), None, None
+
+
+def _sdpa(q, k, v, scale: float, mask) -> torch.Tensor:
+    """SDPA with GQA; `mask` from `pair_mask` ([B, 1, 1, sq, sk] -> [B, 1, sq, sk])."""
+    attn_mask = None if mask is None else mask[:, :, 0].to(q.device)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
+    )
+
+
+def _all_gather_attention(q, k, v, cp: CPGroup, layout: Layout, scale: float) -> torch.Tensor:
+    if cp.size > 1:
+        k, v = _GatherSequence.apply(k, cp), _GatherSequence.apply(v, cp)
+    k_pos = torch.cat(layout.positions)
+    order = torch.argsort(k_pos)
+    k_pos, k, v = k_pos[order], k[:, :, order.to(k.device)], v[:, :, order.to(v.device)]
+    k_doc = None if layout.documents is None else torch.cat(layout.documents, 1)[:, order]
+    q_pos, q_doc = layout.positions[cp.rank], layout.documents
+    outs = []
+    for qs in halves(q.shape[2]):
+        # the keys up to this piece's last query: a prefix in global order
+        n = int(torch.searchsorted(k_pos, q_pos[qs].max(), right=True))
+        mask = pair_mask(
+            q_pos[qs], k_pos[:n], None if q_doc is None else q_doc[cp.rank][:, qs],
+            None if k_doc is None else k_doc[:, :n],
+        )  # fmt: skip
+        outs.append(_sdpa(q[:, :, qs], k[:, :, :n], v[:, :, :n], scale, mask))
+    return torch.cat(outs, dim=2)
+
+
+def _a2a_attention(q, k, v, cp: CPGroup, layout: Layout, scale: float) -> torch.Tensor:
+    heads, groups = q.shape[1], k.shape[1]
+    if heads % cp.size or groups % cp.size:
+        raise ValueError(
+            f"a2a context parallelism needs the attention heads ({heads}) and query groups "
+            f"({groups}) divisible by the context-parallel size ({cp.size})"
+        )
+    if cp.size > 1:
+        q, k, v = (_AllToAll.apply(x, cp, True) for x in (q, k, v))
+    pos = torch.cat(layout.positions)
+    order = torch.argsort(pos)
+    index = order.to(q.device)
+    q, k, v = q[:, :, index], k[:, :, index], v[:, :, index]  # global order
+    pos = pos[order]
+    seq_len = len(pos)
+    if layout.documents is None and torch.equal(pos, torch.arange(seq_len)):
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
+        )
+    else:
+        docs = None if layout.documents is None else torch.cat(layout.documents, 1)[:, order]
+        out = _sdpa(q, k, v, scale, pair_mask(pos, pos, docs, docs))
+    out = out[:, :, torch.argsort(index)]  # back to rank order
+    return _AllToAll.apply(out, cp, False) if cp.size > 1 else out
+
+
+# --------------------------------------------------------------------------------------------
+# The entry point.
+# --------------------------------------------------------------------------------------------
+
+
+def context_parallel_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group,
+    *,
+    comm_type: str,
+    scale: float,
+    positions: torch.Tensor | None = None,
+    document_ids: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    overlap: bool = True,
+    block_kernel: str = "auto",
+) -> torch.Tensor:
+    """Causal attention of this rank's queries over the whole (CP-split) sequence.
+
+    q: [b, heads, s_local, d]; k, v: [b, groups, s_local, d] (GQA: head i uses group
+    i // (heads / groups)); s_local = S / CP tokens of this rank. `positions` ([s_local]) are
+    the tokens' global positions, by default `chunk_positions(S, CP, rank)`; `document_ids`
+    ([b, s_local]) restrict attention to tokens of the same document. `group`: the CP group
+    (megapipe `Group`, torch `ProcessGroup` or None). `overlap` (p2p only): post each ring
+    transfer before computing with the block in hand (False: wait for it first).
+    `block_kernel` (p2p only): "fused" runs each block through torch's CPU flash-attention
+    kernels, "reference" through plain matmuls and softmax, "auto" fused where available.
+    Returns [b, heads, s_local, d], differentiable w.r.t. q, k and v."""
+    if comm_type not in COMM_TYPES:
+        raise ValueError(f"unknown context-parallel comm_type {comm_type!r}; one of {COMM_TYPES}")
+    if dropout_p != 0.0:
+        raise NotImplementedError(
+            f"attention dropout ({dropout_p}) is not supported with context parallelism yet"
+        )
+    if q.dim() != 4 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2:] != q.shape[2:]:
+        raise ValueError(
+            f"expected q [b, heads, s, d] and k, v [b, groups, s, d]; got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(
+            f"attention heads ({q.shape[1]}) are not divisible by query groups ({k.shape[1]})"
+        )
+    if block_kernel not in ("auto", "fused", "reference"):
+        raise ValueError(f"unknown block_kernel {block_kernel!r}; auto, fused or reference")
+    fused = block_kernel != "reference" and fused_blocks_available(q)
+    if block_kernel == "fused" and not fused:
+        raise ValueError(f"no fused attention blocks for {q.dtype} on {q.device.type}")
+    cp = cp_group(group)
+    layout = _layout(cp, q.shape[2], positions, document_ids)
+    if comm_type == "p2p":
+        return RingAttention.apply(q, k, v, cp, layout, scale, overlap, fused)
+    if comm_type == "all_gather":
+        return _all_gather_attention(q, k, v, cp, layout, scale)
+    return _a2a_attention(q, k, v, cp, layout, scale)

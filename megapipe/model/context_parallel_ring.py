@@ -1,0 +1,332 @@
+"""Ring attention: the "p2p" context-parallel attention and the blockwise math it runs.
+
+Each CP rank holds its queries and one K/V block; the K/V blocks travel round the CP ring
+(send to the next rank, receive from the previous one), so after CP steps every rank has seen
+every block. Each step's partial result is merged with the online-softmax rule (running
+log-sum-exp per row, fp32), so nothing [s, S] is ever materialised.
+
+Backward is the mirror: K/V travel the ring again, each block's probabilities are recomputed
+from the saved final log-sum-exp, and each block's dK/dV accumulator travels with it, so after
+CP steps (one more hop than K/V) it is back home holding every rank's contribution.
+
+Within a step the local queries and the visiting block are each cut in two (the two chunks of
+the load-balanced layout), and each of the four pairs is classified from the tokens' global
+positions (and document ids): fully visible (no mask), partly visible (a boolean mask), or
+invisible (skipped). With Megatron's layout half the off-diagonal pairs are skipped, so every
+rank does the same causal work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+# a pair of sub-blocks that no query may see: skipped
+HIDDEN = "hidden"
+
+
+@dataclass(frozen=True)
+class CPGroup:
+    """The CP process group as this rank sees it: torch group (None for one rank), our index,
+    the group's size and its members' global ranks (what isend/irecv address)."""
+
+    pg: dist.ProcessGroup | None
+    rank: int
+    size: int
+    global_ranks: tuple[int, ...]
+
+    @property
+    def next(self) -> int:
+        return self.global_ranks[(self.rank + 1) % self.size]
+
+    @property
+    def prev(self) -> int:
+        return self.global_ranks[(self.rank - 1) % self.size]
+
+
+# --------------------------------------------------------------------------------------------
+# Masks and blockwise attention (plain tensors, no autograd).
+# --------------------------------------------------------------------------------------------
+
+
+def halves(n: int) -> list[slice]:
+    """The two chunks of a load-balanced local sequence (one piece when `n` is odd)."""
+    return [slice(0, n // 2), slice(n // 2, n)] if n % 2 == 0 and n > 1 else [slice(0, n)]
+
+
+def pair_mask(
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    q_doc: torch.Tensor | None,
+    k_doc: torch.Tensor | None,
+) -> torch.Tensor | None | str:
+    """What queries at global positions `q_pos` ([sq]) may see of keys at `k_pos` ([sk]):
+    None (everything), HIDDEN (nothing) or a boolean mask [b or 1, 1, 1, sq, sk] (True = may
+    attend) broadcasting over [b, groups, heads per group, sq, sk]. Documents ([b, sq], [b, sk])
+    restrict it further to pairs in the same document."""
+    if q_doc is None and int(q_pos.min()) >= int(k_pos.max()):
+        return None
+    if int(q_pos.max()) < int(k_pos.min()):
+        return HIDDEN
+    mask = (q_pos[:, None] >= k_pos[None, :])[None]
+    if q_doc is not None:
+        mask = mask & (q_doc[:, :, None] == k_doc[:, None, :])
+    if not bool(mask.any()):
+        return HIDDEN
+    if bool(mask.all()):
+        return None
+    return mask[:, None, None]
+
+
+def _grouped(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """[b, heads, s, d] -> [b, groups, heads per group, s, d] (a view): GQA head i uses group
+    i // (heads / groups), so the heads of one group are adjacent."""
+    b, h, s, d = x.shape
+    return x.view(b, groups, h // groups, s, d)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, mask) -> torch.Tensor:
+    """Masked scores [b, g, h/g, sq, sk] in the accumulation dtype (fp32 or wider)."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    s = torch.matmul(_grouped(q, k.shape[1]), k.unsqueeze(2).transpose(-1, -2)).to(acc) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask.to(s.device), float("-inf"))
+    return s
+
+
+def block_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of q [b, h, sq, d] over one K/V block [b, g, sk, d]: the normalised
+    output [b, h, sq, d] and each row's log-sum-exp [b, h, sq], both in fp32 (-inf and a zero
+    output for rows that see nothing of this block)."""
+    s = _scores(q, k, scale, mask)
+    m = s.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    p = torch.exp(s - m)
+    total = p.sum(dim=-1, keepdim=True)
+    out = torch.matmul(p, v.unsqueeze(2).to(p.dtype)) / torch.where(total == 0, 1.0, total)
+    lse = (m + torch.log(total)).squeeze(-1)
+    b, h, sq, d = q.shape
+    return out.reshape(b, h, sq, d), lse.reshape(b, h, sq)
+
+
+def merge_into(
+    out: torch.Tensor, lse: torch.Tensor, part: torch.Tensor, part_lse: torch.Tensor
+) -> None:
+    """Online softmax: fold a block's (output, log-sum-exp) into the running ones, in place."""
+    new = torch.logaddexp(lse, part_lse)
+    safe = torch.where(torch.isneginf(new), torch.zeros_like(new), new)
+    out.mul_(torch.exp(lse - safe).unsqueeze(-1)).add_(part * torch.exp(part_lse - safe)[..., None])
+    lse.copy_(new)
+
+
+def block_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dout: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    scale: float,
+    mask,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (fp32) of one block's share of the attention: the block's probabilities are
+    recomputed from the final log-sum-exp `lse` [b, h, sq]; `delta` = rowsum(dout * out)."""
+    g = k.shape[1]
+    s = _scores(q, k, scale, mask)
+    lse = _grouped(lse.unsqueeze(-1), g)
+    p = torch.exp(s - torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse))
+    do = _grouped(dout, g).to(p.dtype)
+    b, _, hg, sq, sk = p.shape
+    d = q.shape[-1]
+    # dV: sum over the group's heads of P^T dO, as one matmul over (heads, rows)
+    dv = torch.matmul(p.reshape(b, g, hg * sq, sk).transpose(-1, -2), do.reshape(b, g, hg * sq, d))
+    dp = torch.matmul(do, v.unsqueeze(2).transpose(-1, -2).to(p.dtype))
+    ds = p * (dp - _grouped(delta.unsqueeze(-1), g)) * scale
+    dq = torch.matmul(ds, k.unsqueeze(2).to(ds.dtype)).reshape(q.shape)
+    q_rows = _grouped(q, g).reshape(b, g, hg * sq, d).to(ds.dtype)
+    dk = torch.matmul(ds.reshape(b, g, hg * sq, sk).transpose(-1, -2), q_rows)
+    return dq, dk, dv
+
+
+# The same two blocks through torch's CPU flash-attention kernels, which return the log-sum-exp
+# and take it back (private aten ops: used only when present; the functions above are the
+# reference they are tested against). GQA is native; a mask is additive, in q's dtype.
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_CPU_FLASH_BACKWARD = getattr(
+    torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None
+)
+
+
+def fused_blocks_available(q: torch.Tensor) -> bool:
+    return (
+        _CPU_FLASH is not None
+        and _CPU_FLASH_BACKWARD is not None
+        and q.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+    )
+
+
+def _kernel_mask(mask, q: torch.Tensor, sk: int) -> tuple[bool, torch.Tensor | None]:
+    """(is_causal, additive mask) for the flash kernel: a plain lower-triangular mask (the
+    diagonal chunk) is its causal mode, which skips the upper half instead of masking it."""
+    if mask is None:
+        return False, None
+    sq = q.shape[2]
+    m = mask[:, :, 0]  # [B, 1, sq, sk]
+    if sq == sk and m.shape[0] == 1 and torch.equal(m[0, 0], _tril(sq, m.device)):
+        return True, None
+    return False, torch.zeros(m.shape, dtype=q.dtype, device=q.device).masked_fill(~m, -torch.inf)
+
+
+def _tril(n: int, device) -> torch.Tensor:
+    return torch.ones(n, n, dtype=torch.bool, device=device).tril()
+
+
+def fused_block_forward(q, k, v, scale: float, mask) -> tuple[torch.Tensor, torch.Tensor]:
+    """`block_forward` through the flash kernel (same results, to rounding)."""
+    causal, additive = _kernel_mask(mask, q, k.shape[2])
+    out, lse = _CPU_FLASH(q, k, v, 0.0, causal, attn_mask=additive, scale=scale)
+    acc = torch.promote_types(q.dtype, torch.float32)
+    lse = lse.to(acc)
+    if additive is not None:  # the kernel gives 0, not -inf, to rows that see nothing
+        lse = lse.masked_fill(~mask[:, :, 0].any(-1), -torch.inf)
+    return out.to(acc), lse
+
+
+def fused_block_backward(q, k, v, dout, out, lse, scale: float, mask):
+    """`block_backward` through the flash kernel: it recomputes the block's probabilities from
+    the final `lse` and takes rowsum(dout * out) from the final output `out`."""
+    causal, additive = _kernel_mask(mask, q, k.shape[2])
+    grads = _CPU_FLASH_BACKWARD(
+        dout, q, k, v, out, lse, 0.0, causal, attn_mask=additive, scale=scale
+    )
+    acc = torch.promote_types(q.dtype, torch.float32)
+    return tuple(g.to(acc) for g in grads)
+
+
+# --------------------------------------------------------------------------------------------
+# The ring.
+# --------------------------------------------------------------------------------------------
+
+
+class _Transfer:
+    """Tensors sent to the next rank, and as many received from the previous one, in flight."""
+
+    def __init__(self, tensors: list[torch.Tensor], cp: CPGroup, tag: int) -> None:
+        self.sent = [t.contiguous() for t in tensors]
+        self.received = [torch.empty_like(t) for t in self.sent]
+        self.works, self.done = [], False
+        for i, (out, into) in enumerate(zip(self.sent, self.received)):
+            self.works.append(dist.isend(out, cp.next, group=cp.pg, tag=tag + i))
+            self.works.append(dist.irecv(into, cp.prev, group=cp.pg, tag=tag + i))
+
+    def wait(self) -> list[torch.Tensor]:
+        if not self.done:
+            for work in self.works:
+                work.wait()
+            self.done = True
+        return self.received
+
+
+@dataclass
+class Layout:
+    """Global positions ([S_local] per rank) and document ids ([b, S_local] per rank, or None)
+    of every CP rank's tokens: what decides each pair of sub-blocks' mask."""
+
+    positions: list[torch.Tensor]
+    documents: list[torch.Tensor] | None
+
+    def pairs(self, q_rank: int, k_rank: int, n: int) -> list[tuple[slice, slice, object]]:
+        """The (query slice, key slice, mask) of each visible pair for one step."""
+        out = []
+        docs = self.documents
+        for qs in halves(n):
+            for ks in halves(n):
+                mask = pair_mask(
+                    self.positions[q_rank][qs],
+                    self.positions[k_rank][ks],
+                    None if docs is None else docs[q_rank][:, qs],
+                    None if docs is None else docs[k_rank][:, ks],
+                )
+                if mask is not HIDDEN:
+                    out.append((qs, ks, mask))
+        return out
+
+
+class RingAttention(torch.autograd.Function):
+    """p2p context-parallel attention; see the module docstring. `overlap=False` waits for each
+    transfer before computing (the benchmark's baseline); `fused`: the blocks run through the
+    CPU flash kernels (`fused_blocks_available`), else through the reference math."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cp: CPGroup, layout: Layout, scale: float, overlap: bool, fused):
+        acc = torch.promote_types(q.dtype, torch.float32)
+        out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+        kv, src, n = [k, v], cp.rank, q.shape[2]
+        for step in range(cp.size):
+            pending = None
+            if step < cp.size - 1:
+                pending = _Transfer(kv, cp, tag=0)
+                if not overlap:
+                    pending.wait()
+            for qs, ks, mask in layout.pairs(cp.rank, src, n):
+                part, part_lse = (fused_block_forward if fused else block_forward)(
+                    q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], scale, mask
+                )
+                merge_into(out[:, :, qs], lse[:, :, qs], part, part_lse)
+            if pending is not None:
+                kv, src = pending.wait(), (src - 1) % cp.size
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cp, ctx.layout, ctx.scale, ctx.overlap, ctx.fused = cp, layout, scale, overlap, fused
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        cp, layout, scale, n = ctx.cp, ctx.layout, ctx.scale, q.shape[2]
+        acc = lse.dtype
+        dout = dout.contiguous()
+        delta = None if ctx.fused else (dout.to(acc) * out.to(acc)).sum(-1)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        kv, src, grads, home = [k, v], cp.rank, None, None
+        for step in range(cp.size):
+            pending = None
+            if step < cp.size - 1:
+                pending = _Transfer(kv, cp, tag=0)
+                if not ctx.overlap:
+                    pending.wait()
+            dk = torch.zeros(kv[0].shape, dtype=acc, device=q.device)
+            dv = torch.zeros(kv[1].shape, dtype=acc, device=q.device)
+            for qs, ks, mask in layout.pairs(cp.rank, src, n):
+                blocks = q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], dout[:, :, qs]
+                if ctx.fused:
+                    bq, bk, bv = fused_block_backward(
+                        *blocks, out[:, :, qs], lse[:, :, qs], scale, mask
+                    )
+                else:
+                    bq, bk, bv = block_backward(
+                        *blocks, lse[:, :, qs], delta[:, :, qs], scale, mask
+                    )
+                dq[:, :, qs] += bq
+                dk[:, :, ks] += bk
+                dv[:, :, ks] += bv
+            if grads is not None:  # the visiting block's accumulator, from the previous rank
+                held_dk, held_dv = grads.wait()
+                dk += held_dk
+                dv += held_dv
+            if cp.size == 1:
+                home = dk, dv
+            else:  # the accumulator travels with its block: on to the next rank (last hop: home)
+                grads = _Transfer([dk, dv], cp, tag=2)
+                if not ctx.overlap:
+                    grads.wait()
+            if pending is not None:
+                kv, src = pending.wait(), (src - 1) % cp.size
+        dk, dv = home if grads is None else grads.wait()
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
