@@ -87,7 +87,8 @@ class Activity:
         who = "this rank"
         if self.state is not None:
             s = self.state
-            who = f"rank {s.rank} (tp {s.tp_rank}, pp {s.pp_rank}, dp {s.dp_rank})"
+            cp = f", cp {s.cp_rank}" if s.cp.size > 1 else ""
+            who = f"rank {s.rank} (tp {s.tp_rank}{cp}, pp {s.pp_rank}, dp {s.dp_rank})"
         return (
             f"{who}, iteration {iteration}, {phase}: in {self.operation()} "
             f"(for {now - since:.1f} s)"

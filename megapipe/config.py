@@ -374,6 +374,9 @@ class KernelConfig:
 
     attention_backend: str = "auto"  # auto, flash, fused, unfused or local
     attention_dropout_rng: str = "auto"  # auto (fused on CUDA), fused or layout-invariant
+    # how context-parallel attention exchanges keys and values (ParallelConfig.cp_comm_type,
+    # repeated here for the layers, which receive this config)
+    cp_comm_type: str = "p2p"
     transformer_impl: str = "local"  # or transformer_engine
     bias_gelu_fusion: bool = True
     bias_dropout_fusion: bool = True

@@ -1,5 +1,5 @@
-"""--context-parallel-size and --cp-comm-type: parsed into ParallelConfig, validated, and (until
-the attention is wired) CP above 1 refused only after every other check has passed.
+"""--context-parallel-size and --cp-comm-type: parsed into ParallelConfig, validated, and
+their comm type handed to the layers.
 The refusals' exact lines are rows of tests/test_bad_input.py's catalogue."""
 
 import warnings
@@ -39,20 +39,20 @@ def test_data_parallel_size_counts_context_parallel_ranks():
     assert parallel.model_parallel_size == 2  # Megatron's model-parallel group: TP x PP
 
 
-def test_cp_above_one_passes_validation_then_is_refused_as_not_wired():
-    # every check passes for 8 ranks of TP 2 x CP 2 (DP 2), a2a with 4 heads: the last refuses
-    with pytest.raises(ConfigError) as error:
-        _parse(
-            8,
-            tensor_model_parallel_size=2,
-            context_parallel_size=2,
-            cp_comm_type="a2a",
-            global_batch_size=8,
-        )
-    assert str(error.value) == (
-        "--context-parallel-size 2: context parallelism's process groups and data split are in "
-        "place, its attention is not yet wired into training; use --context-parallel-size 1"
+def test_cp_above_one_is_accepted_and_reaches_the_layers():
+    # 8 ranks of TP 2 x CP 2 (DP 2), a2a with 4 heads; the layers read the comm type from
+    # the kernel config (tests/test_parity_context_parallel.py trains it)
+    configs = _parse(
+        8,
+        tensor_model_parallel_size=2,
+        context_parallel_size=2,
+        cp_comm_type="a2a",
+        global_batch_size=8,
+        attention_dropout=0,
     )
+    assert configs.parallel.context_parallel_size == 2
+    assert configs.parallel.cp_comm_type == configs.kernels.cp_comm_type == "a2a"
+    assert configs.data_parallel_size == 2
 
 
 def test_global_batch_is_checked_against_dp_without_cp():

@@ -13,6 +13,7 @@ import importlib.util
 
 import torch
 
+from megapipe.arguments.parallel_flags import cp_comm_type
 from megapipe.config import KernelConfig
 from megapipe.errors import ConfigError
 from megapipe.kernels.availability import Probe
@@ -149,6 +150,7 @@ def kernel_config(args: argparse.Namespace) -> KernelConfig:
         name: getattr(args, name)
         for name in ("fp8_format", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo")
     }
+    cp = {"cp_comm_type": cp_comm_type(args)} if hasattr(args, "cp_comm_type") else {}
     return KernelConfig(attention_backend=backend, transformer_impl=args.transformer_impl,
                         attention_dropout_rng=args.attention_dropout_rng,
-                        **switches, **fp8)  # fmt: skip
+                        **switches, **fp8, **cp)  # fmt: skip

@@ -169,14 +169,6 @@ def validate_parallel(parallel: ParallelConfig, world_size: int) -> None:
     )
 
 
-# Refused while context-parallel attention is not wired into training (the next step of
-# issue 25): the rank layout, the flags and the data split are in place.
-CP_NOT_WIRED = (
-    "--context-parallel-size {cp}: context parallelism's process groups and data split are in "
-    "place, its attention is not yet wired into training; use --context-parallel-size 1"
-)
-
-
 def validate_context_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:
     """The sequence splits into 2 x CP chunks (Megatron's load balancing), and a2a splits the
     heads and query groups of each TP rank over CP."""
@@ -206,6 +198,30 @@ def validate_context_parallel(model: ModelConfig, parallel: ParallelConfig) -> N
                 f"must be divisible by --context-parallel-size ({cp}) (all-to-all splits each "
                 "TP rank's heads over CP)",
             )
+
+
+def validate_context_parallel_features(
+    model: ModelConfig, parallel: ParallelConfig, data: object, kernels: object
+) -> None:
+    """What context-parallel training does not support yet, refused up front."""
+    cp = parallel.context_parallel_size
+    if cp == 1:
+        return
+    _require(
+        model.attention_dropout == 0,
+        f"--attention-dropout ({model.attention_dropout}) with --context-parallel-size ({cp}): "
+        "context-parallel attention has no dropout yet; use --attention-dropout 0",
+    )
+    _require(
+        not (isinstance(data, DataConfig) and data.reset_attention_mask),
+        f"--reset-attention-mask with --context-parallel-size ({cp}): per-document masks are "
+        "not wired into context-parallel attention yet; drop --reset-attention-mask",
+    )
+    _require(
+        not (isinstance(kernels, KernelConfig) and kernels.transformer_impl != "local"),
+        f"--transformer-impl transformer_engine with --context-parallel-size ({cp}): context "
+        "parallelism runs megapipe's own attention; use --transformer-impl local",
+    )
 
 
 def validate_optimizer(opt: OptimizerConfig) -> None:
@@ -426,8 +442,7 @@ def validate_configs(
     data = others.get("data")
     if isinstance(data, DataConfig):
         validate_data(data)
-    cp = parallel.context_parallel_size
-    _require(cp == 1, CP_NOT_WIRED.format(cp=cp))  # last: every other check has passed
+    validate_context_parallel_features(model, parallel, data, kernels)
     for note in notes:
         warnings.warn(note, stacklevel=2)
     return Configs(

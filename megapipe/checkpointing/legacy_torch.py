@@ -216,7 +216,10 @@ def save(
     rng = {}
     if contents.with_rng:
         rng = {k: v[0].tensor for k, v in rng_shards(run.rng, state).items()}
-    rng_list = gather(rng, state.dp.pg) if state.dp.size > 1 else [rng]
+    # one file per (TP, PP) rank, written by the first rank of DP x CP (whose ranks all hold
+    # its parameters); the optimizer's shards and the random states are those of DP x CP
+    replicas = state.dp_cp
+    rng_list = gather(rng, replicas.pg) if replicas.size > 1 else [rng]
     sharded = run.optimizer.sharded
     sub = mp_rank_name(state.tp.rank, state.pp.rank, state.pp.size)
 
@@ -225,10 +228,10 @@ def save(
         os.makedirs(path, exist_ok=True)
         names = []
         if contents.with_optimizer and sharded:
-            name = distrib_optim_name(state.dp.rank)
+            name = distrib_optim_name(replicas.rank)
             write_file(os.path.join(path, name), {"optimizer": _optimizer_state(run)})
             names.append(name)
-        if state.dp.rank == 0:
+        if replicas.rank == 0:
             write_file(os.path.join(path, MODEL_FILE), _model_file(run, contents, rng_list))
             names.append(MODEL_FILE)
         return atomic_dir.fsync_and_digest(path, names)
@@ -387,7 +390,7 @@ def restore(run: LiveRun, directory: str, data: dict, *, optimizer: bool, rng: b
     def restore() -> None:
         if optimizer:
             if data.get("distributed_optimizer"):
-                saved = read_verified(sub, distrib_optim_name(state.dp.rank))["optimizer"]
+                saved = read_verified(sub, distrib_optim_name(state.dp_cp.rank))["optimizer"]
             else:
                 saved = data["optimizer"]
             _restore_optimizer(run.optimizer, saved, f"{sub}")
@@ -397,7 +400,7 @@ def restore(run: LiveRun, directory: str, data: dict, *, optimizer: bool, rng: b
         else:
             after_load(run.optimizer, None, masters_loaded=False)
         if rng:
-            restore_rng(data["rng_state"][state.dp.rank], run.rng, state.rank)
+            restore_rng(data["rng_state"][state.dp_cp.rank], run.rng, state.rank)
 
     _, error = attempt(restore, directory)
     agree(error, state.world.pg)

@@ -22,6 +22,8 @@ def describe(layout: dict | None) -> str:
     if not layout:
         return "an unknown layout"
     text = f"TP{layout['tensor_model_parallel_size']} x PP{layout['pipeline_model_parallel_size']}"
+    if layout.get("context_parallel_size", 1) > 1:
+        text += f" x CP{layout['context_parallel_size']}"
     if layout.get("virtual_pipeline_model_parallel_size", 1) > 1:
         text += f" ({layout['virtual_pipeline_model_parallel_size']} virtual stages)"
     return text + f" over {layout['world_size']} ranks"

@@ -91,15 +91,17 @@ def _namespace(
     values: dict[str, Any] = {k: _typed(v) for k, v in arguments.items()}
     tp = int(layout["tensor_model_parallel_size"] or 1)
     pp = int(layout["pipeline_model_parallel_size"] or 1)
+    cp = int(layout.get("context_parallel_size") or 1)
     vp = layout.get("virtual_pipeline_model_parallel_size")
-    world = int(layout.get("world_size") or tp * pp)
+    world = int(layout.get("world_size") or tp * cp * pp)
     values.update(_model_values(model, tp))
     values.update(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
         virtual_pipeline_model_parallel_size=vp if vp and vp > 1 else None,
         world_size=world,
-        data_parallel_size=world // (tp * pp),
+        data_parallel_size=max(1, world // (tp * cp * pp)),
     )
     values.update(resolved)
     if values.get("tokenizer_type") == "NullTokenizer":  # Megatron's flag: the ids before eod
@@ -151,6 +153,7 @@ def megatron_namespace(
     layout = {
         "tensor_model_parallel_size": parallel.tensor_model_parallel_size,
         "pipeline_model_parallel_size": parallel.pipeline_model_parallel_size,
+        "context_parallel_size": parallel.context_parallel_size,
         "virtual_pipeline_model_parallel_size": parallel.virtual_pipeline_model_parallel_size,
         "world_size": configs.world_size,
     }

@@ -89,12 +89,15 @@ class Progress:
 
 
 def layout_of(state: ParallelState, virtual_stages: int) -> dict[str, int]:
-    return {
+    layout = {
         "world_size": state.world_size,
         "tensor_model_parallel_size": state.tp.size,
         "pipeline_model_parallel_size": state.pp.size,
         "virtual_pipeline_model_parallel_size": virtual_stages,
     }
+    if state.cp.size > 1:  # left out at CP 1: the layouts of checkpoints written before CP
+        layout["context_parallel_size"] = state.cp.size
+    return layout
 
 
 @dataclass(frozen=True)
@@ -126,7 +129,9 @@ def _optimizer_pieces(optimizer: ShardedOptimizer, names: dict[int, str]) -> lis
 
 
 def _writes_optimizer(optimizer: ShardedOptimizer, state: ParallelState) -> bool:
-    return (optimizer.sharded and _first_replica(state)) or state.dp.rank == 0
+    """Sharded: every rank of the first replica its shard (shards are split over DP x CP);
+    else the first rank of DP x CP, whose ranks all hold the same whole optimizer state."""
+    return (optimizer.sharded and _first_replica(state)) or state.dp_cp.rank == 0
 
 
 def _first_replica(state: ParallelState) -> bool:
@@ -135,10 +140,11 @@ def _first_replica(state: ParallelState) -> bool:
 
 
 def _writes_model(optimizer: ShardedOptimizer | None, state: ParallelState) -> bool:
-    """DP rank 0 holds the whole model, except under FSDP2, where each rank holds its rows."""
+    """DP x CP rank 0 holds the whole model (CP ranks hold the same parameters as DP
+    replicas), except under FSDP2, where each rank of DP x CP holds its rows."""
     if optimizer is not None and optimizer.masters_are_weights:
         return _first_replica(state)
-    return state.dp.rank == 0
+    return state.dp_cp.rank == 0
 
 
 def ensure_optimizer_state(optimizer: ShardedOptimizer) -> None:
@@ -263,8 +269,9 @@ def extra_state_to_save(
     chunks: Sequence[torch.nn.Module], state: ParallelState, num_layers: int
 ) -> dict[str, bytes]:
     """Megatron-Core's `_extra_state` entries of this rank's layers, written once over the job:
-    by TP rank 0 of data-parallel rank 0 (of the first replica, under hybrid sharding)."""
-    if state.tp.rank != 0 or state.dp.rank != 0 or not _first_replica(state):
+    by TP rank 0 of data-parallel (x context-parallel) rank 0 (of the first replica, under
+    hybrid sharding)."""
+    if state.tp.rank != 0 or state.dp_cp.rank != 0 or not _first_replica(state):
         return {}
     layers = (logical_name(name)[1] for name, _ in _named_params(chunks))
     return extra_state_entries((i for i in layers if i is not None), num_layers)

@@ -6,8 +6,11 @@ Three reductions happen here, once per step after the last micro-batch's backwar
 * with tied input/output embeddings split over pipeline stages, the first stage's word
   embedding and the last stage's copy each hold part of the gradient: summed over the
   embedding group, so both copies take the same optimizer step and stay identical;
-* gradients are averaged over the data-parallel group (one coalesced all-reduce; the bucketed,
-  backward-overlapped version replaces this with the data-parallel work).
+* gradients are averaged over the data-parallel group, DP x CP with context parallelism
+  (`ParallelState.dp_cp`: CP ranks hold the same parameters, and each CP rank's loss is scaled
+  by CP, so the average over DP x CP is the whole sequence's gradient; one coalesced
+  all-reduce; the bucketed, backward-overlapped version replaces this with the data-parallel
+  work).
 """
 
 from __future__ import annotations
@@ -43,14 +46,15 @@ def tied_embedding_grads(chunks: Sequence[torch.nn.Module]) -> list[torch.Tensor
 
 
 def finalize_model_grads(chunks: Sequence[torch.nn.Module], state: ParallelState) -> None:
-    """Sum SP grads over TP, tied-embedding grads over the embedding group, average over DP.
+    """Sum SP grads over TP, tied-embedding grads over the embedding group, average over DP
+    (x CP: `state.dp_cp`).
 
-    Parameters owned by a GradBuffer (`main_grad`) are averaged over DP by its buckets
+    Parameters owned by a GradBuffer (`main_grad`) are averaged over DP x CP by its buckets
     (`finish_grad_sync`, called before this), and FSDP2's (DTensor gradients) by its
     reduce-scatter; only plain `.grad` parameters are averaged here. The TP and embedding sums
     run on FSDP2's local shards alike: both sides hold the same rows of the same parameter.
     """
-    reduce_tp, reduce_dp = state.tp.size > 1, state.dp.size > 1
+    reduce_tp, reduce_dp = state.tp.size > 1, state.dp_cp.size > 1
     params = []  # walked only when a group has more than one rank (0.26 ms a step at 1 rank)
     if reduce_tp or reduce_dp:
         params = [p for chunk in chunks for p in chunk.parameters() if gradient(p) is not None]
@@ -69,4 +73,4 @@ def finalize_model_grads(chunks: Sequence[torch.nn.Module], state: ParallelState
             for p in params
             if not hasattr(p, "main_grad") and not isinstance(p.grad, DTensor)
         ]
-        _all_reduce_coalesced(plain, state.dp, 1.0 / state.dp.size)
+        _all_reduce_coalesced(plain, state.dp_cp, 1.0 / state.dp_cp.size)

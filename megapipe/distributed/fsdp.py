@@ -1,5 +1,8 @@
 """ZeRO-2 and ZeRO-3 on torch's FSDP2: shard a rank's model chunks over its data-parallel group.
 
+The data-parallel group here is the one that holds a model replica's parameters: DP x CP with
+context parallelism (`ParallelState.dp_cp`), over which FSDP2 averages the gradients too.
+
 Built on `torch.distributed.fsdp.fully_shard` rather than a sharding engine of our own: it is
 maintained with torch, torchtitan runs on it, and on gloo it trains megapipe's GPTModel with
 no change to the layers (docs/ARCHITECTURE.md, "Facts for sharded data parallelism").
@@ -46,8 +49,8 @@ from megapipe.parallel.state import ParallelState
 
 
 def shard_group_size(state: ParallelState) -> int:
-    """Ranks one parameter is sharded over: the DP group, or its hybrid inner group."""
-    return state.dp_inner.size if state.dp_inner is not None else state.dp.size
+    """Ranks one parameter is sharded over: the DP (x CP) group, or its hybrid inner group."""
+    return state.dp_inner.size if state.dp_inner is not None else state.dp_cp.size
 
 
 def uses_fsdp(config: OptimizerConfig, state: ParallelState) -> bool:
@@ -61,12 +64,13 @@ ZERO_LEVEL = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params":
 def describe_sharding(config: OptimizerConfig, state: ParallelState) -> str | None:
     """The start-up line naming the data-parallel sharding, or None without any."""
     strategy = config.sharding
-    if strategy == "no_shard" or state.dp.size == 1:
+    if strategy == "no_shard" or state.dp_cp.size == 1:
         return None
     engine = "torch FSDP2" if uses_fsdp(config, state) else "megapipe's distributed optimizer"
+    kind = "data-parallel x context-parallel" if state.cp.size > 1 else "data-parallel"
     line = (
         f"> sharded data parallelism: ZeRO-{ZERO_LEVEL[strategy]} ({strategy}) with {engine} "
-        f"over {state.dp.size} data-parallel ranks"
+        f"over {state.dp_cp.size} {kind} ranks"
     )
     if state.dp_inner is not None and state.dp_outer is not None:
         line += (
@@ -79,12 +83,12 @@ def describe_sharding(config: OptimizerConfig, state: ParallelState) -> str | No
 
 
 def data_parallel_mesh(state: ParallelState) -> DeviceMesh:
-    """The DP group as a DeviceMesh: 1-D, or (replicate, shard) for hybrid sharding."""
+    """The DP (x CP) group as a DeviceMesh: 1-D, or (replicate, shard) for hybrid sharding."""
     device = state.device.type
     if state.dp_inner is None or state.dp_outer is None or state.dp_outer.size == 1:
-        return DeviceMesh.from_group(state.dp.pg, device, mesh_dim_names=("shard",))
+        return DeviceMesh.from_group(state.dp_cp.pg, device, mesh_dim_names=("shard",))
     inner, outer = state.dp_inner, state.dp_outer
-    ranks = torch.tensor(state.dp.ranks).view(outer.size, inner.size)
+    ranks = torch.tensor(state.dp_cp.ranks).view(outer.size, inner.size)
     return DeviceMesh.from_group(
         [outer.pg, inner.pg], device, mesh=ranks, mesh_dim_names=("replicate", "shard")
     )

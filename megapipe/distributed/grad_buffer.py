@@ -13,7 +13,9 @@ autograd, and a post-accumulate-grad hook hands it to `accumulate` and frees `pa
 A gradient arriving for a bucket whose reduction has started, or a reduction while a deferred
 weight gradient is still queued, raises instead of losing a contribution.
 
-Synchronisation per bucket, over the data-parallel group, pre-scaled by 1/DP (an average):
+Synchronisation per bucket, over the group that holds one model replica's parameters (the
+data-parallel group; with context parallelism, DP x CP: `ParallelState.dp_cp`), pre-scaled by
+1 over its size (an average; "DP" below is that group's size):
 * plain data parallelism: all-reduce; every rank then holds the whole averaged gradient;
 * distributed optimizer (ZeRO-1): reduce-scatter (with hybrid sharding, inside this rank's
   instance, then an all-reduce of the shard over the other instances); each rank holds its
@@ -86,11 +88,15 @@ class GradBuffer:
         solo: list[torch.nn.Parameter] | None = None,
         activity: Activity | None = None,
         replicas: Group | None = None,
+        group_name: str = "data-parallel group",
     ) -> None:
-        """`replicas`: hybrid sharding (--num-distributed-optimizer-instances with the
-        distributed optimizer): `dp` is this rank's instance, the shards are all-reduced over
-        `replicas` (the same shard in every other instance) after the reduce-scatter."""
+        """`dp`: the group the gradients are averaged over (DP, or DP x CP). `replicas`: hybrid
+        sharding (--num-distributed-optimizer-instances with the distributed optimizer): `dp`
+        is this rank's instance, the shards are all-reduced over `replicas` (the same shard in
+        every other instance) after the reduce-scatter. `group_name`: how the watchdog's
+        messages name `dp`."""
         self.dp = dp
+        self.group_name = group_name
         self.replicas = replicas if replicas is not None and replicas.size > 1 else None
         self.average_over = dp.size * (self.replicas.size if self.replicas else 1)
         self.activity = activity or Activity()  # what this rank waits in (watchdog, faults)
@@ -249,8 +255,9 @@ class GradBuffer:
                 self._start(bucket)
             if bucket.work is not None:
                 kind = "reduce-scatter" if self.shard else "all-reduce"
-                what = "{} of gradient bucket {} over the data-parallel group (ranks {})"
-                self.activity.enter("grad-reduce", what, kind, index, list(self.dp.ranks))
+                what = "{} of gradient bucket {} over the {} (ranks {})"
+                ranks = list(self.dp.ranks)
+                self.activity.enter("grad-reduce", what, kind, index, self.group_name, ranks)
                 bucket.work.wait()
                 bucket.work = None
             if bucket.scattered is not None and self.replicas is not None:
@@ -296,9 +303,10 @@ class GradBuffer:
     def wait_params(self, bucket: Bucket) -> None:
         """Wait for `bucket`'s parameter all-gather, if one is in flight."""
         if bucket.gathering is not None:
-            what = "the all-gather of parameter bucket {} over the data-parallel group ({})"
+            what = "the all-gather of parameter bucket {} over the {} ({})"
             index = next(i for i, b in enumerate(self.buckets) if b is bucket)
-            self.activity.enter("param-gather", what, index, list(self.dp.ranks))
+            ranks = list(self.dp.ranks)
+            self.activity.enter("param-gather", what, index, self.group_name, ranks)
             bucket.gathering[0].wait()
             bucket.gathering = None
 

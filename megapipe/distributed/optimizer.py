@@ -2,14 +2,17 @@
 
 One class covers plain and distributed (ZeRO-1) data parallelism: it optimizes the pieces of
 parameters that fall inside the shard ranges of each GradBuffer (the whole buffer without the
-distributed optimizer, 1/DP of each bucket with it). A piece's master weight is a view of the
-fp32 parameter buffer itself when parameters are fp32 (no extra copy), else an fp32 copy of the
-bf16/fp16 values that is cast back after the step. Gradients are the fp32 `main_grad` pieces.
+distributed optimizer, 1/DP of each bucket with it; "DP" is the buffers' group, DP x CP with
+context parallelism, whose ranks all hold the same parameters). A piece's master weight is a
+view of the fp32 parameter buffer itself when parameters are fp32 (no extra copy), else an fp32
+copy of the bf16/fp16 values that is cast back after the step. Gradients are the fp32
+`main_grad` pieces.
 
 One step: unscale and check for inf/NaN with a single all-reduce (fp16 loss scaling: skip the
 step everywhere on overflow), global grad norm over the whole model (TP shards summed, TP
-replicas and mirrored tied-embedding copies counted once, stages and DP shards summed), clip,
-step, write back, all-gather the updated shards.
+replicas and mirrored tied-embedding copies counted once, stages and DP shards summed; DP
+and CP replicas of an unsharded gradient counted once: the model-parallel group holds one of
+each), clip, step, write back, all-gather the updated shards.
 """
 
 from __future__ import annotations
@@ -262,7 +265,7 @@ class ShardedOptimizer:
 
     @property
     def sharded(self) -> bool:
-        return any(b.shard for b in self.buffers) and self.state.dp.size > 1
+        return any(b.shard for b in self.buffers) and self.state.dp_cp.size > 1
 
     def grad_norm(self) -> float:
         """L2 norm of the whole model's (unscaled) gradient, identical on every rank.

@@ -82,7 +82,7 @@ def load_inference_model(
 ) -> InferenceModel:
     """Build this rank's stage of the checkpoint's model and load its weights (collective over
     the job). dtype: the compute dtype (default: the dtype the weights were saved in)."""
-    if state.dp.size != 1:
+    if state.dp_cp.size != 1:
         raise CheckpointError(
             f"generation runs on TP x PP ranks only: the job has {state.world_size} ranks, "
             f"TP {state.tp.size} x PP {state.pp.size} uses {state.tp.size * state.pp.size}"

@@ -154,3 +154,22 @@ def masked_mean(per_token_loss: torch.Tensor, loss_mask: torch.Tensor | None) ->
         return per_token_loss.mean()
     mask = loss_mask.to(per_token_loss.dtype)
     return (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def context_parallel_masked_mean(
+    per_token_loss: torch.Tensor, loss_mask: torch.Tensor | None, cp: Group
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the whole sequences' mean loss, detached; the loss this CP rank's backward starts from).
+
+    Each rank of the CP group holds its chunks of the micro-batch's sequences: the masked sums
+    and token counts are summed over the group, and the backward loss is CP x (local masked
+    sum / global count), so that averaging the gradients over DP x CP (Megatron's
+    `loss * cp_size` convention) gives the gradient of the global mean."""
+    mask = torch.ones_like(per_token_loss) if loss_mask is None else loss_mask
+    mask = mask.to(per_token_loss.dtype)
+    local = (per_token_loss * mask).sum()
+    totals = torch.stack([local.detach(), mask.sum()]).float()
+    if cp.size > 1:
+        torch.distributed.all_reduce(totals, group=cp.pg)
+    count = totals[1].clamp(min=1.0)
+    return totals[0] / count, local * (cp.size / count.to(local.dtype))

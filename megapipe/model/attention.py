@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from megapipe.config import ModelConfig
+from megapipe.data.context_parallel_split import chunk_positions
 from megapipe.layers.linear import ColumnParallelLinear, RowParallelLinear
 from megapipe.layers.norms import build_norm
 from megapipe.model.attention_backends import (
@@ -32,6 +33,7 @@ from megapipe.model.attention_backends import (
     flash_attn_package_usable,
     sdpa_context,
 )
+from megapipe.model.context_parallel import context_parallel_attention
 from megapipe.model.dropout import LogicalDropout
 from megapipe.model.kv_cache import KVCache
 from megapipe.model.recompute import recompute, wanted
@@ -62,8 +64,15 @@ class SelfAttention(torch.nn.Module):
         backend: str = "auto",
         softmax_kernel: Callable[..., torch.Tensor] | None = None,
         dropout_rng: str = "auto",
+        cp: Group | None = None,
+        cp_comm_type: str = "p2p",
     ) -> None:
+        """cp: the context-parallel group; with more than one rank, each holds its chunks of
+        every sequence (`data/context_parallel_split.py`) and the core attention runs over the
+        group (`context_parallel_attention`, `cp_comm_type`: p2p, all_gather or a2a)."""
         super().__init__()
+        self.cp = cp if cp is not None and cp.size > 1 else None
+        self.cp_comm_type = cp_comm_type
         self.rng = rng
         self.recompute_core = recompute_core  # --recompute-granularity selective (core_attn)
         self.backend = backend  # --attention-backend (model/attention_backends.py)
@@ -129,6 +138,8 @@ class SelfAttention(torch.nn.Module):
         if self.q_layernorm is not None:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         offset = kv_cache.offset if kv_cache is not None else 0
+        if self.cp is not None:
+            return self._context_parallel(q, k, v, rotary, attention_mask, kv_cache)
         if rotary is not None:
             q, k = rotary(q, offset), rotary(k, offset)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
@@ -144,6 +155,40 @@ class SelfAttention(torch.nn.Module):
             out = recompute(core, q, k, v, attention_mask, rng=self.rng)
         else:
             out = core(q, k, v, attention_mask)
+        out = out.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim)
+        return self.linear_proj(out)
+
+    def _context_parallel(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rotary: RotaryEmbedding | None,
+        attention_mask: torch.Tensor | None,
+        kv_cache: KVCache | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """forward's rest under context parallelism: q [s_local, b, heads, d] of this rank's
+        chunks, rotated at their global positions, attending over the whole sequence."""
+        if attention_mask is not None or kv_cache is not None:
+            raise NotImplementedError(
+                "context parallelism supports plain causal training attention only (no "
+                "--reset-attention-mask masks, no KV cache)"
+            )
+        s, b = q.shape[:2]
+        positions = chunk_positions(s * self.cp.size, self.cp.size, self.cp.rank).to(q.device)
+        if rotary is not None:
+            q, k = rotary(q, positions=positions), rotary(k, positions=positions)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
+        core = partial(
+            context_parallel_attention,
+            group=self.cp,
+            comm_type=self.cp_comm_type,
+            scale=1.0 / math.sqrt(self.head_dim),
+        )
+        if self.recompute_core and wanted(self):
+            out = recompute(core, q, k, v, rng=self.rng)
+        else:
+            out = core(q, k, v)
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim)
         return self.linear_proj(out)
 

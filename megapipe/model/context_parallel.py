@@ -21,7 +21,8 @@ the keys and values a rank's queries need (`comm_type`, Megatron's --cp-comm-typ
   ([b, heads/CP, S, d], chunks put back in global order), plain causal attention runs on whole
   sequences, and a second all-to-all turns it back; needs heads and query groups divisible by CP.
 
-Not wired into the model yet; attention dropout is not supported yet (`dropout_p` must be 0).
+`model/attention.py` runs it when the CP group has more than one rank; attention dropout is
+not supported yet (`dropout_p` must be 0).
 """
 
 from __future__ import annotations

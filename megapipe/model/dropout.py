@@ -34,6 +34,8 @@ import hashlib
 
 import torch
 
+from megapipe.data.context_parallel_split import chunk_positions
+
 EMBEDDING_LAYER = -1  # the embedding dropout is keyed as if it were layer -1
 SITES = ("embedding", "attention_probs", "attention_output", "mlp_output")
 
@@ -79,6 +81,8 @@ class LogicalDropout:
         tp_rank: int = 0,
         tp_size: int = 1,
         sequence_parallel: bool = False,
+        cp_rank: int = 0,
+        cp_size: int = 1,
     ) -> None:
         if sample_ids.dim() != 1:
             raise ValueError(f"sample_ids must be 1-D [micro_batch], got {tuple(sample_ids.shape)}")
@@ -86,6 +90,7 @@ class LogicalDropout:
         self.samples = [int(i) for i in sample_ids.tolist()]
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.sequence_parallel = sequence_parallel and tp_size > 1
+        self.cp_rank, self.cp_size = cp_rank, cp_size  # context parallelism: which positions
 
     def _check_batch(self, size: int, what: str) -> None:
         if size != len(self.samples):
@@ -96,15 +101,21 @@ class LogicalDropout:
     def hidden_keep_mask(
         self, shape: tuple[int, int, int], p: float, layer: int, site: str, device
     ) -> torch.Tensor:
-        """Keep-mask for this rank's [s_local, b, h] activation (its sequence shard under SP)."""
+        """Keep-mask for this rank's [s_local, b, h] activation (its sequence shard under SP).
+
+        Under context parallelism the rank's sequence is its CP chunks (global positions
+        `chunk_positions`), of which SP keeps the TP rank's share: the mask is the whole
+        sequence's, at those positions."""
         s_local, b, h = shape
         self._check_batch(b, "hidden activation")
-        s_full = s_local * self.tp_size if self.sequence_parallel else s_local
+        s_cp = s_local * self.tp_size if self.sequence_parallel else s_local
         start = self.tp_rank * s_local if self.sequence_parallel else 0
+        rows = slice(start, start + s_local)
+        if self.cp_size > 1:
+            held = chunk_positions(s_cp * self.cp_size, self.cp_size, self.cp_rank)
+            rows = held[start : start + s_local].to(device)
         per_sample = [
-            logical_keep_mask(self.seed, i, layer, site, (s_full, h), p, device)[
-                start : start + s_local
-            ]
+            logical_keep_mask(self.seed, i, layer, site, (s_cp * self.cp_size, h), p, device)[rows]
             for i in self.samples
         ]
         return torch.stack(per_sample, dim=1)

@@ -109,6 +109,7 @@ class Decoder(torch.nn.Module):
         recompute: RecomputeConfig | None = None,
         kernels: KernelConfig | None = None,
         choices: KernelChoices | None = None,
+        cp: Group | None = None,
     ) -> None:
         super().__init__()
         recompute = recompute or RecomputeConfig()
@@ -127,6 +128,7 @@ class Decoder(torch.nn.Module):
                     kernels=kernels,
                     choices=choices,
                     fp8_scope=self.fp8,
+                    cp=cp,
                 )
                 for i in layers
             }
@@ -244,7 +246,9 @@ class GPTModel(torch.nn.Module):
             recompute,
             kernels,
             choices,
+            state.cp,
         )
+        self.cp = state.cp  # context parallelism: this rank holds its chunks of each sequence
         self.output_layer = None
         if self.post_process:
             tied = not config.untie_embeddings_and_output_weights
@@ -337,6 +341,8 @@ class GPTModel(torch.nn.Module):
             tp_rank=self.tp.rank,
             tp_size=self.tp.size,
             sequence_parallel=self.sequence_parallel,
+            cp_rank=self.cp.rank,
+            cp_size=self.cp.size,
         )
 
     def _mark_embedding_and_output(self) -> None:

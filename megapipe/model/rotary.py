@@ -64,15 +64,22 @@ class RotaryEmbedding(torch.nn.Module):
             self.cos, self.sin = self._tables(self.cos.shape[0], self.cos.device)
         return self
 
-    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, offset: int = 0, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Rotate x of shape [s, b, heads, head_dim] by the angles of positions
-        offset..offset+s-1 (offset > 0: the new tokens of a generation step after a KV cache)."""
-        end = offset + x.shape[0]
+        offset..offset+s-1 (offset > 0: the new tokens of a generation step after a KV cache),
+        or of `positions` ([s] global positions: a context-parallel rank's chunks)."""
+        end = offset + x.shape[0] if positions is None else int(positions.max()) + 1
         if end > self.cos.shape[0]:
             self.cos, self.sin = self._tables(end, self.cos.device)
+        cos, sin = self.cos, self.sin
+        if positions is not None:  # the rows of these positions, used from offset 0
+            index = positions.to(cos.device)
+            cos, sin, offset = cos.index_select(0, index), sin.index_select(0, index), 0
         if self.kernel is not None:
-            return self.kernel(x, self.cos, self.sin, offset)
+            return self.kernel(x, cos, sin, offset)
         if self.rotary_dim < x.shape[-1]:
-            rotated = rotary_reference(x[..., : self.rotary_dim], self.cos, self.sin, offset)
+            rotated = rotary_reference(x[..., : self.rotary_dim], cos, sin, offset)
             return torch.cat([rotated, x[..., self.rotary_dim :]], dim=-1)
-        return rotary_reference(x, self.cos, self.sin, offset)
+        return rotary_reference(x, cos, sin, offset)

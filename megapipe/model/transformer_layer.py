@@ -64,9 +64,11 @@ class TransformerLayer(torch.nn.Module):
         kernels: KernelConfig | None = None,
         choices: KernelChoices | None = None,
         fp8_scope: FP8Scope | None = None,
+        cp: Group | None = None,
     ) -> None:
         """choices: the fused kernels chosen for this run (None: plain torch everywhere);
-        fp8_scope: the chunk's FP8 autocast (TE layers; default: the layer's own)."""
+        fp8_scope: the chunk's FP8 autocast (TE layers; default: the layer's own);
+        cp: the context-parallel group (None: one rank holds whole sequences)."""
         super().__init__()
         recompute = recompute or RecomputeConfig()
         kernels = kernels or KernelConfig()
@@ -96,6 +98,8 @@ class TransformerLayer(torch.nn.Module):
             backend=kernels.attention_backend,
             softmax_kernel=fused(choices, "masked_softmax"),
             dropout_rng=kernels.attention_dropout_rng,
+            cp=cp,
+            cp_comm_type=kernels.cp_comm_type,
         )
         self.pre_mlp_layernorm = build_norm(
             config.normalization, config.hidden_size, eps, sp, norm_kernel

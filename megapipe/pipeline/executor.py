@@ -37,7 +37,7 @@ import torch
 from torch.autograd.variable import Variable
 
 from megapipe.data.batch import TrainingBatch
-from megapipe.layers.cross_entropy import masked_mean
+from megapipe.layers.cross_entropy import context_parallel_masked_mean, masked_mean
 from megapipe.layers.weight_grad import WeightGradStore
 from megapipe.model.gpt import GPTModel
 from megapipe.parallel.state import ParallelState
@@ -242,8 +242,12 @@ class PipelineExecutor:
             kwargs["hidden_states"] = inputs.pop(key) if self.forward_only else inputs[key]
         out = self.chunks[compute.chunk](**kwargs)
         if last:
-            loss = masked_mean(out, batch.loss_mask)
-            step.losses.append(loss.detach())
+            if self.state.cp.size > 1:  # the mean over every CP rank's tokens
+                mean, loss = context_parallel_masked_mean(out, batch.loss_mask, self.state.cp)
+                step.losses.append(mean)
+            else:
+                loss = masked_mean(out, batch.loss_mask)
+                step.losses.append(loss.detach())
             if self.forward_only:
                 return
             out = loss * (step.loss_scale / self.num_microbatches)
@@ -286,6 +290,8 @@ class PipelineExecutor:
             shape, dtype = (
                 self.buffer_spec(op) if self.buffer_spec else (self.activation_shape, self.dtype)
             )
+            if self.buffer_spec is None and self.state.cp.size > 1:  # a CP rank's chunks
+                shape = (shape[0] // self.state.cp.size, *shape[1:])
             buffer = torch.empty(shape, dtype=dtype, device=self.state.device)
             if op.phase == "B":
                 step.output_grads[key] = buffer

@@ -153,7 +153,7 @@ def _announce_model(configs: Configs, state: ParallelState, chunks: list[GPTMode
         configs.optimizer.params_dtype, attention_dropout=configs.model.attention_dropout,
         reset_attention_mask=configs.data.reset_attention_mask,
         softmax=chunks[0].kernel_choices.chosen["masked_softmax"]))  # fmt: skip
-    if state.dp.rank == 0:
+    if state.dp_cp.rank == 0:  # one line per model-parallel rank (CP ranks hold the same)
         count = sum(p.numel() for chunk in chunks for p in chunk.parameters())
         print_line(parameter_count_line(state.tp_rank, state.pp_rank, count))
 
@@ -229,13 +229,18 @@ def build_optimizer(
         return FSDPOptimizer(
             chunks, modules, state, opt, configs.training.lr, scaler, decoupled=decoupled
         )
-    num_microbatches = configs.training.num_microbatches(state.dp.size)
-    group, replicas = state.dp, None  # hybrid: shard inside the instance, all-reduce across
+    num_microbatches = configs.training.num_microbatches(state.dp.size)  # samples: DP only
+    # Gradients are averaged, and the distributed optimizer shards, over the ranks that hold
+    # the same parameters: DP x CP (`dp_cp`, which is `dp` without context parallelism).
+    group, replicas = state.dp_cp, None  # hybrid: shard inside the instance, all-reduce across
     shard = opt.use_distributed_optimizer
     if shard and state.dp_inner is not None:
         group, replicas = state.dp_inner, state.dp_outer
         if group.size == 1:  # instances of one rank: nothing to shard, plain all-reduce
-            group, replicas, shard = state.dp, None, False
+            group, replicas, shard = state.dp_cp, None, False
+    group_name = "data-parallel group"
+    if state.cp.size > 1:
+        group_name = "data-parallel x context-parallel group"
     buffers = [
         GradBuffer(
             list(chunk.parameters()),
@@ -247,6 +252,7 @@ def build_optimizer(
             solo=_solo_tied_embedding(chunk, state, shard),
             activity=activity,
             replicas=replicas,
+            group_name=group_name,
         )
         for chunk in chunks
     ]

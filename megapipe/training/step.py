@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megapipe.data.batch import TrainingBatch
+from megapipe.data.context_parallel_split import split_batch
 from megapipe.data.sampler import micro_batch_range
 from megapipe.distributed import finalize_model_grads
 from megapipe.distributed.optimizer import NonFiniteGradient, ShardedOptimizer
@@ -117,9 +118,14 @@ class GlobalBatch:
 
     def reader(self, data: BatchSource) -> Callable[[int], TrainingBatch]:
         """micro-batch index -> that micro-batch's batch, on this rank's device, read one
-        micro-batch ahead (`ReadAhead`)."""
-        device = self.state.device
-        return ReadAhead(lambda i: data.batch(self.indices(i), device), self.num_microbatches)
+        micro-batch ahead (`ReadAhead`). Under context parallelism every rank of a CP group
+        reads the same samples (sharded by DP only) and keeps its chunks of them
+        (`split_batch`, global position ids)."""
+        device, cp = self.state.device, self.state.cp
+        return ReadAhead(
+            lambda i: split_batch(data.batch(self.indices(i), device), cp.size, cp.rank),
+            self.num_microbatches,
+        )
 
     def sample_ids(self, micro_batch: int) -> torch.Tensor:
         """Global sample indices of a micro-batch: what keys the layout-invariant dropout."""

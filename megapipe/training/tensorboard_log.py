@@ -102,9 +102,9 @@ class TrainingTensorBoard:
     @staticmethod
     def writes_on(state: ParallelState) -> bool:
         """The one writing rank: the last pipeline stage (which holds the loss), first TP and
-        first DP rank. (Megatron writes from global rank world-1: the same stage, but the
-        last TP/DP rank; any one rank of that stage sees the same reduced values.)"""
-        return state.is_last_stage and state.tp_rank == 0 and state.dp_rank == 0
+        first DP (and CP) rank. (Megatron writes from global rank world-1: the same stage, but
+        the last TP/DP rank; any one rank of that stage sees the same reduced values.)"""
+        return state.is_last_stage and state.tp_rank == 0 and state.dp_cp.rank == 0
 
     @classmethod
     def open_for(

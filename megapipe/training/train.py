@@ -220,7 +220,7 @@ class TrainingLoop:
             )
         if self.profiler is not None:
             self.profiler.end(self.iteration)
-        if saved is not None and state.dp.rank == 0 and state.tp.rank == 0:
+        if saved is not None and state.dp_cp.rank == 0 and state.tp.rank == 0:
             estimate = run.stage_memory[state.pp.rank]
             print_line(measured_line(state.rank, estimate, saved.peak, state.device))
         self.results.append(result)
