@@ -24,7 +24,14 @@ LAYOUTS = {
     "cp2-tp2-sp": (4, CP2 + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     "cp2-dp2-distopt": (4, CP2 + ["--use-distributed-optimizer"]),
     "cp2-pp2": (4, CP2 + ["--pipeline-model-parallel-size", "2", "--emulate-nccl-p2p-order"]),
-}
+    "cp4": (4, ["--context-parallel-size", "4"]),
+    "cp2-dp2-zero3": (4, CP2 + ["--use-torch-fsdp2"]),
+    "cp2-dp2-zero2": (4, CP2 + ["--use-megatron-fsdp", "--data-parallel-sharding-strategy",
+                                "optim_grads"]),
+    "cp2-recompute-full": (2, CP2 + ["--recompute-granularity", "full", "--recompute-method",
+                                     "uniform", "--recompute-num-layers", "1"]),
+    "cp2-recompute-selective": (2, CP2 + ["--recompute-granularity", "selective"]),
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
