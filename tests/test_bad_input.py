@@ -332,11 +332,6 @@ FLAG_CASES: list[tuple[Bad, dict, list[str], int]] = [
        "--context-parallel-size (2): context-parallel attention has no dropout yet",
        "use --attention-dropout 0 (hidden dropout is supported)"),
      {"context_parallel_size": 2, "attention_dropout": 0.1}, [], 2),
-    (B("--reset-attention-mask with context parallelism", "--reset-attention-mask with "
-       "--context-parallel-size (2): per-document masks are not wired into context-parallel "
-       "attention yet", "drop --reset-attention-mask, or use --context-parallel-size 1"),
-     {"context_parallel_size": 2, "reset_attention_mask": True, "attention_dropout": 0}, [],
-     2),
     (B("world size not a multiple of TP x CP x PP", "world size (2) is not divisible by "
        "--tensor-model-parallel-size (1) x --context-parallel-size (3) x "
        "--pipeline-model-parallel-size (1) = 3", "launch a multiple of TP x CP x PP ranks"),

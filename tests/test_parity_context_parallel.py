@@ -8,10 +8,12 @@ the mean over every CP rank's tokens, and gradients are averaged over DP x CP.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from megapipe.testing import run_distributed
-from tests.helpers import parity_losses_and_norms
+from megapipe.data.indexed_builder import IndexedDatasetBuilder
+from megapipe.testing import run_distributed, train_with_flags
+from tests.helpers import PARITY_FLAGS, parity_losses_and_norms
 
 TOLERANCE = 1e-5
 ROPE = ["--position-embedding-type", "rope"]
@@ -81,3 +83,40 @@ def test_a_checkpoint_continues_at_another_context_parallel_size(first, then, tm
     for rank_losses, rank_norms in resumed:
         assert rank_losses == pytest.approx(losses[2:], rel=TOLERANCE)
         assert rank_norms == pytest.approx(norms[2:], rel=TOLERANCE)
+
+
+def _losses_and_norms(rank: int, world_size: int, argv: list[str]):
+    results, _ = train_with_flags(rank, world_size, argv)
+    return [r.lm_loss for r in results], [r.grad_norm for r in results]
+
+
+@pytest.fixture(scope="module")
+def short_documents(tmp_path_factory) -> list[str]:
+    """Flags for a .bin/.idx of 3..12-token documents (NullTokenizer: the eod is id 200), so
+    that every 16-token sample holds several documents, with --mock-data dropped."""
+    directory = tmp_path_factory.mktemp("cp-documents")
+    rng = np.random.default_rng(0)
+    with IndexedDatasetBuilder(directory / "docs", np.uint16) as builder:
+        for _ in range(400):
+            builder.add_item([*rng.integers(0, 200, int(rng.integers(2, 12))), 200])
+            builder.end_document()
+    data = ["--data-path", str(directory / "docs"), "--tokenizer-type", "NullTokenizer",
+            "--data-cache-path", str(directory / "cache")]  # fmt: skip
+    return [f for f in PARITY_FLAGS if f != "--mock-data"] + data
+
+
+DOCUMENT_FLAGS = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"]
+
+
+def test_document_masks_with_context_parallelism_match_one_rank(short_documents):
+    """--reset-attention-mask (per-token document ids split with the tokens, attention within
+    each document), --reset-position-ids (learned embeddings at per-document positions) and
+    --eod-mask-loss under CP 2, each comm type, give the one-rank run's losses and norms."""
+    flags = short_documents + DOCUMENT_FLAGS
+    expected = run_distributed(_losses_and_norms, 1, flags)[0]
+    for dropped in ("--reset-attention-mask", "--eod-mask-loss"):  # the documents are short
+        control = run_distributed(_losses_and_norms, 1, [f for f in flags if f != dropped])[0]
+        assert control[1] != pytest.approx(expected[1], rel=1e-3), dropped
+    for comm in ("p2p", "all_gather", "a2a"):
+        runs = run_distributed(_losses_and_norms, 2, flags + CP2 + ["--cp-comm-type", comm])
+        _assert_matches(runs, expected)

@@ -213,11 +213,6 @@ def validate_context_parallel_features(
         "context-parallel attention has no dropout yet; use --attention-dropout 0",
     )
     _require(
-        not (isinstance(data, DataConfig) and data.reset_attention_mask),
-        f"--reset-attention-mask with --context-parallel-size ({cp}): per-document masks are "
-        "not wired into context-parallel attention yet; drop --reset-attention-mask",
-    )
-    _require(
         not (isinstance(kernels, KernelConfig) and kernels.transformer_impl != "local"),
         f"--transformer-impl transformer_engine with --context-parallel-size ({cp}): context "
         "parallelism runs megapipe's own attention; use --transformer-impl local",

@@ -23,7 +23,8 @@ class TrainingBatch:
 
     position_ids ([b, s]) and attention_mask ([b, 1, s, s], True = may attend) are None unless
     --reset-position-ids / --reset-attention-mask ask for them (the model then uses positions
-    0..s-1 and a causal mask).
+    0..s-1 and a causal mask). Under context parallelism attention_mask holds per-token
+    document ids ([b, s] ints) instead of the [b, 1, s, s] mask (data/masks.py).
     """
 
     tokens: torch.Tensor

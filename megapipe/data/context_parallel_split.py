@@ -13,6 +13,8 @@ of 8 tokens:
 Position ids stay the GLOBAL positions (rotary and learned embeddings follow the token, not its
 place on the rank), so the split batch always carries them. The attention mask keeps every key
 column and only its rows of this rank's queries: the CP attention sees keys from every rank.
+Under --reset-attention-mask with CP the batch carries per-token document ids ([b, s],
+data/masks.py) in the mask's place instead; they split like the tokens.
 
 Pure functions of tensors and sizes: no process group (the caller passes its CP rank).
 """
@@ -72,9 +74,16 @@ def global_position_ids(batch: TrainingBatch) -> torch.Tensor:
     return torch.arange(s, device=batch.tokens.device).expand(b, s)
 
 
+def _mask_dim(mask: torch.Tensor | None) -> int:
+    """The sequence dimension to split: the query rows of a [b, 1, s, s] mask, the tokens of
+    [b, s] document ids."""
+    return 1 if mask is not None and mask.dim() == 2 else 2
+
+
 def split_batch(batch: TrainingBatch, cp_size: int, cp_rank: int) -> TrainingBatch:
     """This CP rank's part of a micro-batch ([b, s] tensors -> [b, s / CP]); the mask
-    ([b, 1, s, s]) keeps its query rows (-> [b, 1, s / CP, s]). CP 1 returns `batch` itself."""
+    ([b, 1, s, s]) keeps its query rows (-> [b, 1, s / CP, s]), document ids ([b, s]) split
+    like the tokens. CP 1 returns `batch` itself."""
     if cp_size == 1:
         return batch
     split = lambda t, dim=1: None if t is None else split_sequence(t, cp_size, cp_rank, dim)
@@ -83,7 +92,7 @@ def split_batch(batch: TrainingBatch, cp_size: int, cp_rank: int) -> TrainingBat
         split(batch.labels),
         split(batch.loss_mask),
         split(global_position_ids(batch)),
-        split(batch.attention_mask, 2),
+        split(batch.attention_mask, _mask_dim(batch.attention_mask)),
     )
 
 
@@ -102,5 +111,5 @@ def gather_batch(parts: Sequence[TrainingBatch]) -> TrainingBatch:
         gather("labels"),
         gather("loss_mask"),
         gather("position_ids"),
-        gather("attention_mask", 2),
+        gather("attention_mask", _mask_dim(parts[0].attention_mask)),
     )

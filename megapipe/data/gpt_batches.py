@@ -16,7 +16,13 @@ import torch
 
 from megapipe.data.batch import TrainingBatch, to_device
 from megapipe.data.errors import DataError
-from megapipe.data.masks import MaskOptions, attention_mask, loss_mask, position_ids
+from megapipe.data.masks import (
+    MaskOptions,
+    attention_mask,
+    document_segments,
+    loss_mask,
+    position_ids,
+)
 
 
 class SampleDataset(Protocol):
@@ -65,5 +71,9 @@ class GPTBatchSource:
         labels = to_device(text[:, 1:].contiguous(), device)
         options = self.masks
         positions = position_ids(tokens, options) if options.reset_position_ids else None
-        mask = attention_mask(tokens, options) if options.reset_attention_mask else None
+        mask = None
+        if options.reset_attention_mask and options.document_ids:  # CP: [b, s] document ids
+            mask = document_segments(tokens, options.eod)
+        elif options.reset_attention_mask:
+            mask = attention_mask(tokens, options)
         return TrainingBatch(tokens, labels, loss_mask(tokens, options), positions, mask)

@@ -8,6 +8,10 @@
 The eod closes its document: it belongs to the segment before it. The attention mask here is
 `True = may attend`, [b, 1, s, s], as torch's scaled_dot_product_attention takes it (Megatron's
 own is the negation: True = masked out).
+
+Under context parallelism (`document_ids` set) the batch carries each token's document number
+([b, s], `document_segments`) in place of that mask: the CP ranks split it like the tokens and
+the CP attention masks by it, with no [s, s] mask ever built.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ class MaskOptions:
     eod_mask_loss: bool = False
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
+    document_ids: bool = False  # --reset-attention-mask as [b, s] document ids (CP > 1)
 
 
 def document_segments(tokens: torch.Tensor, eod: int) -> torch.Tensor:

@@ -27,7 +27,8 @@ class BatchSources:
     test: BatchSource | None
 
 
-def _masks(data: DataConfig) -> MaskOptions:
+def _masks(data: DataConfig, context_parallel_size: int = 1) -> MaskOptions:
+    """Context parallelism takes --reset-attention-mask as per-token document ids."""
     tokenizer = data_tokenizer(data)
     needs_eod = data.eod_mask_loss or data.reset_position_ids or data.reset_attention_mask
     return MaskOptions(
@@ -35,6 +36,7 @@ def _masks(data: DataConfig) -> MaskOptions:
         eod_mask_loss=data.eod_mask_loss,
         reset_position_ids=data.reset_position_ids,
         reset_attention_mask=data.reset_attention_mask,
+        document_ids=context_parallel_size > 1,
     )
 
 
@@ -68,7 +70,8 @@ def build_batch_sources(
                 else None
             )
         return BatchSources(**built)
-    masks, context = _masks(data), BuildContext.from_torch()
+    masks = _masks(data, configs.parallel.context_parallel_size)
+    context = BuildContext.from_torch()
     for name, count in counts.items():
         source = data_split_source(data, name)
         if source is None or (name != "train" and count == 0):

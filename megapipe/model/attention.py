@@ -121,7 +121,8 @@ class SelfAttention(torch.nn.Module):
         kv_cache: KVCache | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """attention_mask: None for plain causal attention, else [b, 1, s, s] bool, True where
-        a query may attend a key (--reset-attention-mask: causal within each document).
+        a query may attend a key (--reset-attention-mask: causal within each document); under
+        context parallelism [b, s_local] document ids instead (`_context_parallel`).
 
         dropout_masks: layout-invariant masks for this micro-batch, used for the attention
         probabilities under --attention-dropout-rng layout-invariant; otherwise (or without
@@ -168,11 +169,20 @@ class SelfAttention(torch.nn.Module):
         kv_cache: KVCache | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """forward's rest under context parallelism: q [s_local, b, heads, d] of this rank's
-        chunks, rotated at their global positions, attending over the whole sequence."""
-        if attention_mask is not None or kv_cache is not None:
+        chunks, rotated at their global positions, attending over the whole sequence.
+
+        attention_mask: None, or under --reset-attention-mask this rank's per-token document
+        ids ([b, s_local] ints, data/context_parallel_split.py): attention stays within each
+        document. Rotary and the causal order both use the global sequence index (as the
+        one-rank path's rotary does); --reset-position-ids only moves learned embeddings."""
+        documents_ok = attention_mask is None or (
+            attention_mask.dim() == 2 and not attention_mask.is_floating_point()
+            and attention_mask.dtype != torch.bool
+        )  # fmt: skip
+        if not documents_ok or kv_cache is not None:
             raise NotImplementedError(
-                "context parallelism supports plain causal training attention only (no "
-                "--reset-attention-mask masks, no KV cache)"
+                "context parallelism supports causal training attention with optional [b, s] "
+                "document ids only (no [b, 1, s, s] masks, no KV cache)"
             )
         s, b = q.shape[:2]
         positions = chunk_positions(s * self.cp.size, self.cp.size, self.cp.rank).to(q.device)
@@ -184,6 +194,7 @@ class SelfAttention(torch.nn.Module):
             group=self.cp,
             comm_type=self.cp_comm_type,
             scale=1.0 / math.sqrt(self.head_dim),
+            document_ids=attention_mask,
         )
         if self.recompute_core and wanted(self):
             out = recompute(core, q, k, v, rng=self.rng)
