@@ -89,8 +89,10 @@ _SUPPORTED_ONLY = {
 
 
 def load_pickle(path: str) -> dict:
-    """A Megatron-LM `common.pt` or `model_optim_rng.pt`, loaded through the allow-list."""
-    data = safe_torch_load(path, MEGATRON_GLOBALS)
+    """A Megatron-LM `common.pt` or `model_optim_rng.pt`, loaded through the allow-list, its
+    tensors memory-mapped: recognising a checkpoint and reading its `args` (which loads the
+    first rank file, then again to assemble the weights) reads the tensor data once at most."""
+    data = safe_torch_load(path, MEGATRON_GLOBALS, mmap=True)
     if not isinstance(data, dict):
         raise CheckpointError(f"checkpoint file {path}: holds a {type(data).__name__}, not a dict")
     return data

@@ -125,15 +125,19 @@ def allowing(allowed: Sequence[type]) -> contextlib.AbstractContextManager:
     return torch.serialization.safe_globals([c for c in allowed if c not in registered])
 
 
-def safe_torch_load(path: str | os.PathLike, allowed: Sequence[type] = ()) -> Any:
+def safe_torch_load(
+    path: str | os.PathLike, allowed: Sequence[type] = (), *, mmap: bool = False
+) -> Any:
     """`torch.load(path, weights_only=True)` (plus the `allowed` classes), every failure one
     CheckpointError line: missing, refused (naming the global a pickled object needs: code),
     or unreadable (truncated or corrupted). torch's own message would advise retrying with
-    weights_only=False, which is exactly what must not be done with an untrusted file."""
+    weights_only=False, which is exactly what must not be done with an untrusted file.
+    `mmap`: map the tensors' storages instead of reading them (only the pages used are read:
+    a caller that wants the small entries of a large file); zip-format files only."""
     try:
         with allowing(allowed), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # e.g. "pickle protocol 22" from a damaged file
-            return torch.load(path, map_location="cpu", weights_only=True)
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint file {path}: missing") from None
     except OSError as e:

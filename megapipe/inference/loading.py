@@ -31,7 +31,7 @@ from megapipe.conversion.convert import (
     read_legacy,
     resolve,
 )
-from megapipe.conversion.megatron_lm_source import read_any
+from megapipe.conversion.megatron_lm_source import read_megatron_lm
 from megapipe.model.gpt import GPTModel
 from megapipe.parallel.random import RNGTracker
 from megapipe.parallel.state import ParallelState
@@ -91,7 +91,7 @@ def load_inference_model(
     source = None
     if megatron_lm.is_megatron_lm(directory):  # read whole, real vocabulary rows only
         release = os.path.basename(os.path.normpath(directory)) == RELEASE_NAME
-        source = read_any(directory, release, say)
+        source, _ = read_megatron_lm(directory, release, say)
         config, args = source.config, source.args
         saved_dtype = source.tensors[WORD_EMBEDDING].dtype
     elif legacy_torch.is_legacy(directory):
