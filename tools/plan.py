@@ -6,11 +6,12 @@
     python tools/plan.py --model-preset megatron-39.1b --explain --show-rejected
 
 Searches TP, PP, VP, DP, micro-batch, recomputation, data-parallel sharding (plain, the
-distributed optimizer = ZeRO-1, ZeRO-2, ZeRO-3 on FSDP2) and every pipeline schedule megapipe
-has; prints the best layouts, why the first wins (its time and memory terms against the best of
-each other TP x PP), the bubble of each, one line on whether sharded data parallelism (ZeRO-2/3
-at TP1 PP1) fits and beats the best TP x PP layout on this cluster, and what was rejected and
-why. The model behind the estimates is megapipe/planning (its docstrings state
+distributed optimizer = ZeRO-1, ZeRO-2, ZeRO-3 on FSDP2), every pipeline schedule megapipe
+has, and context parallelism for long sequences (--context-parallel-sizes, --cp-comm-types);
+prints the best layouts, why the first wins (its time and memory terms against the best of
+each other TP x CP x PP), the bubble of each, one line on whether sharded data parallelism
+(ZeRO-2/3 at TP1 PP1) fits and beats the best TP x PP layout on this cluster, and what was
+rejected and why. The model behind the estimates is megapipe/planning (its docstrings state
 every assumption). Exit status 2 with one line naming the flag for bad input.
 """
 
@@ -22,12 +23,13 @@ from collections.abc import Sequence
 
 from megapipe.config import ModelConfig
 from megapipe.errors import run_cli
+from megapipe.model.context_parallel import COMM_TYPES
 from megapipe.pipeline.schedules import SCHEDULE_KINDS
 from megapipe.planning.cluster import GIB, PRESETS
 from megapipe.planning.layout import RECOMPUTE_MODES, SHARDING
 from megapipe.planning.presets import MEGATRON_WEAK_SCALING, MODELS, published_batch
 from megapipe.planning.report import format_plan
-from megapipe.planning.search import PlanOptions, plan
+from megapipe.planning.search import MIN_TOKENS_PER_CP_RANK, PlanOptions, plan
 from megapipe.planning.time_model import TimeKnobs
 
 PROG = "plan.py"
@@ -132,6 +134,22 @@ def build_parser() -> argparse.ArgumentParser:
         "no_shard. Not with --sharding.",
     )
     search.add_argument("--schedules", help="Comma list (default: every schedule megapipe has).")
+    search.add_argument(
+        "--context-parallel-sizes",
+        type=_int_list,
+        help="CP sizes to search (--context-parallel-size), comma list. Default: 1, and for "
+        f"long sequences every size leaving each rank >= {MIN_TOKENS_PER_CP_RANK} tokens.",
+    )
+    search.add_argument(
+        "--cp-comm-types",
+        default="p2p",
+        help=f"Comma list of {', '.join(COMM_TYPES)} (--cp-comm-type) to search. Default p2p.",
+    )
+    search.add_argument(
+        "--no-cp-overlap",
+        action="store_true",
+        help="The ring's (p2p) transfers do not overlap the block attention.",
+    )
     search.add_argument("--max-vp", type=_positive_int, default=4, help="Most chunks per rank.")
     search.add_argument("--allow-cross-node-tp", action="store_true")
     search.add_argument("--memory-fraction", type=_fraction, default=0.9,
@@ -262,12 +280,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         allow_cross_node_tp=args.allow_cross_node_tp,
         memory_fraction=args.memory_fraction,
         sequence_parallel=args.sequence_parallel,
+        context_parallel=args.context_parallel_sizes,
+        cp_comm_types=_names(args.cp_comm_types, COMM_TYPES, "--cp-comm-types", parser),
         knobs=TimeKnobs(
             args.tp_overlap,
             args.dp_overlap,
             param_gather_overlap=args.param_gather_overlap,
             half_precision=not args.fp32,
             tp_weight_grad_overlap=not args.no_async_tensor_model_parallel_allreduce,
+            cp_overlap=not args.no_cp_overlap,
         ),
     )
     result = plan(model, cluster, global_batch, options)

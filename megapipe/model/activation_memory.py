@@ -33,6 +33,29 @@ With a = g, f = 4h and no dropout that is sbh (4 + 12/t), against Korthikanti's
 sbh (10 + 24/t + 5as/(ht)) bytes at 16 bits with masks; SDPA stores no s x s matrix.
 Under sequence parallelism every term is split over TP: sbh 16/t.
 
+    with GQA (1 < g < a):     + sbad / t       (q, copied out of the grouped QKV layout)
+    with rope:                + sb(a + g)d / t (the rotated q and k, instead of GQA's copy)
+                              + 2 s r x 4 bytes (fp32 cos and sin, r = the rotary dims; one
+                                                cache slice shared by every layer)
+
+Under context parallelism each rank holds s = S / CP tokens of every sequence, so every term
+above is taken at S / CP (that is the point of CP: activations divide by CP), and:
+
+    p2p (the ring)            nothing more (q, k, v, output and LSE as SDPA keeps them; the
+                              K/V blocks in flight are freed as the ring moves on); rope's
+                              cos and sin are indexed at the rank's positions per call: 4 s r
+                              x 4 bytes
+    all_gather                + 2 S b g d / t   (every rank's keys and values, gathered)
+                              + sbad / t        (the output twice: per half, and joined)
+                              + 4 (2 CP + 1) s^2 / 4 bytes (the two halves' fp32 masks over
+                                                their key prefixes) + 8 S bytes (positions);
+                                                the local q, not the whole QKV output, is kept
+                                                where it is a copy (GQA, rope)
+    a2a (Ulysses)             + sbad / t        (the output twice: head-split, and back)
+                              + 16 S bytes      (two int64 orderings); the all-to-all's q, k,
+                                                v replace the QKV output (the same bytes)
+    selective core_attn       q, k, v and the projection's input (as without CP)
+
 Selective recomputation of core_attn keeps q, k, v (the recomputation's input) and the
 projection's input: it drops SDPA's log-sum-exp only (SDPA holds no s x s matrix), or the
 s x s terms of the unfused attention. Of mlp it keeps only the MLP's input (the second norm's
@@ -76,13 +99,15 @@ def layer_activation_bytes(
     recompute: RecomputeConfig | None = None,
     dtype_bytes: int = 4,
     attention_dropout_fused: bool = False,
+    cp: int = 1,
+    cp_comm_type: str = "p2p",
 ) -> int:
-    """The formula of the module docstring: bytes one layer keeps for backward.
-    attention_dropout_fused: attention dropout runs inside SDPA / flash (no s x s terms)."""
+    """The formula of the module docstring: bytes one layer keeps for backward on one rank.
+    attention_dropout_fused: attention dropout runs inside SDPA / flash (no s x s terms);
+    cp, cp_comm_type: context parallelism (each rank holds S / cp tokens of every sequence)."""
     recompute = recompute or RecomputeConfig()
-    s, b, h = config.seq_length, micro_batch_size, config.hidden_size
-    a, g, d = config.num_attention_heads, config.num_query_groups, config.head_dim
-    f = config.ffn_hidden_size
+    s, b, h = config.seq_length // cp, micro_batch_size, config.hidden_size
+    a, f = config.num_attention_heads, config.ffn_hidden_size
     sp = sequence_parallel and tp > 1
     local_s = s // tp if sp else s
     if recompute.full:
@@ -90,21 +115,65 @@ def layer_activation_bytes(
     norm_stats = 2 if config.normalization == "LayerNorm" else 1
     norm = local_s * b * h * dtype_bytes + norm_stats * local_s * b * 4  # input + fp32 stats
     column_input = s * b * h // (tp if sp else 1) * dtype_bytes
-    qkv = s * b * (a + 2 * g) * d // tp * dtype_bytes
-    out = s * b * a * d // tp * dtype_bytes  # SDPA's output = the projection's input
-    if config.qk_layernorm:  # the q and k norms' outputs and fp32 statistics
-        out += s * b * (a + g) // tp * (d * dtype_bytes + norm_stats * 4)
-    core = a * s * b // tp * 4  # SDPA's log-sum-exp
+    qkv_out = _attention_inputs_and_output(config, b, tp, dtype_bytes, cp, cp_comm_type)
+    core = a * s * b // tp * 4  # SDPA's (or the ring's) log-sum-exp
     if config.attention_dropout > 0 and not attention_dropout_fused:  # sample-keyed masks
         core = a * s * s * b // tp * (4 + 2 * dtype_bytes) + s * s
     if recompute.selective("core_attn"):
         core = 0
+        if cp > 1:  # the recomputed attention keeps only its inputs: q, k and v
+            qkv_out = _attention_inputs_and_output(config, b, tp, dtype_bytes, cp, "recompute")
     masks = 2 * local_s * b * h * dtype_bytes if config.hidden_dropout > 0 else 0
-    attention = norm + column_input + qkv + out + core + masks
+    attention = norm + column_input + qkv_out + core + masks
     mlp = column_input + 2 * s * b * f // tp * dtype_bytes
     if recompute.selective("mlp"):
         mlp = local_s * b * h * dtype_bytes  # the MLP's input, kept by the recomputation
     return attention + norm + mlp
+
+
+def _attention_inputs_and_output(
+    config: ModelConfig, b: int, tp: int, dtype_bytes: int, cp: int, comm_type: str
+) -> int:
+    """Bytes of what the core attention keeps of q, k, v and its output (the projection's
+    input), on one rank holding s = S / cp tokens: the module docstring's q, k, v and output
+    terms, by context-parallel comm type ("recompute": selective core_attn under CP)."""
+    full = config.seq_length
+    s = full // cp
+    a, g, d = config.num_attention_heads, config.num_query_groups, config.head_dim
+    unit = s * b * d // tp * dtype_bytes  # one head's worth over this rank's tokens
+    qkv = (a + 2 * g) * unit  # the fused QKV output (q, k, v are views of it)
+    q_copy = a * unit if 1 < g < a else 0  # GQA: q is copied out of the grouped layout
+    rope = config.position_embedding_type == "rope" and not config.qk_layernorm
+    rotated = (a + g) * unit if rope else 0  # rope's rotated q and k
+    tables = 0
+    if rope:  # fp32 cos and sin: slices of the shared cache, or indexed per call under CP
+        tables = (2 if cp == 1 else 4) * s * config.rotary_dim * 4
+    out = a * unit  # the attention's output, which is also the projection's input
+    if config.qk_layernorm:  # the q and k norms' outputs and fp32 statistics
+        norm_stats = 2 if config.normalization == "LayerNorm" else 1
+        out += s * b * (a + g) // tp * (d * dtype_bytes + norm_stats * 4)
+    if cp == 1 or comm_type in ("p2p", "recompute"):
+        kept = qkv + (rotated if rope else q_copy) + tables
+        return kept + (a * unit if comm_type == "recompute" else out)
+    gathered = 2 * g * full * b * d // tp * dtype_bytes  # every rank's keys and values
+    if comm_type == "all_gather":
+        # the local queries (a view of the QKV output, or a copy) and the gathered K and V;
+        # the output twice (SDPA's per half, and their concatenation); the global positions
+        # and the two halves' additive fp32 masks ([s/2, key prefix] each, the prefixes
+        # summing to (2 cp + 1) s / 2 keys)
+        if rope:
+            queries = a * unit
+        else:
+            queries = qkv if g == a else q_copy or qkv
+        half = s // 2
+        masks = half * (2 * cp + 1) * half * 4
+        return queries + gathered + 2 * out + tables + 8 * full + masks
+    if comm_type == "a2a":
+        # q, k and v after the all-to-all (new tensors, the same bytes as this rank's share),
+        # the output twice (in head-split form and after the all-to-all back) and the two
+        # int64 orderings of the sequence
+        return (a + 2 * g) * unit + 2 * out + tables + 2 * 8 * full
+    raise ValueError(f"unknown context-parallel comm type {comm_type!r}")
 
 
 class SavedTensorPeak:

@@ -265,7 +265,10 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cp: CPGroup, layout: Layout, scale: float, overlap: bool, fused):
         acc = torch.promote_types(q.dtype, torch.float32)
-        out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        # laid out as [s, b, heads, d] in memory, as SDPA's output is for q of that layout:
+        # the projection's [s, b, heads * d] input is then a view of it, not a copy
+        b, heads, s, d = q.shape
+        out = torch.zeros((s, b, heads, d), dtype=acc, device=q.device).permute(1, 2, 0, 3)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
         kv, src, n = [k, v], cp.rank, q.shape[2]
         for step in range(cp.size):

@@ -28,7 +28,9 @@ A shard group of one rank runs the plain path (no_shard's numbers). Activations 
 `model/activation_memory.layer_activation_bytes` per layer (recomputation included), plus
 on the last stage the final norm's and output layer's inputs and the fp32 logits (twice
 under TP: the vocabulary-parallel cross-entropy keeps its own copy). The numbers are per
-rank of a stage (TP-sharded).
+rank of a stage (TP-sharded). Under context parallelism a rank holds S / CP tokens of each
+sequence, so its activations are the formula's at S / CP (plus what the comm type keeps:
+`activation_memory.py`), and the shard group above is DP x CP ranks.
 """
 
 from __future__ import annotations
@@ -148,11 +150,11 @@ def gathered_parameter_bytes(
 
 
 def head_activation_bytes(
-    config: ModelConfig, micro_batch: int, tp: int, sp: bool, dtype_bytes: int
+    config: ModelConfig, micro_batch: int, tp: int, sp: bool, dtype_bytes: int, cp: int = 1
 ) -> int:
     """The last stage's extra activations per micro-batch: the final norm's and the output
-    layer's inputs and the fp32 logits (twice under TP)."""
-    s, b, h = config.seq_length, micro_batch, config.hidden_size
+    layer's inputs and the fp32 logits (twice under TP), over this rank's S / cp tokens."""
+    s, b, h = config.seq_length // cp, micro_batch, config.hidden_size
     local_s = s // tp if sp and tp > 1 else s
     norm = local_s * b * h * dtype_bytes + local_s * b * 4 * 2
     logits = s * b * config.padded_vocab_size(tp) // tp * 4
@@ -170,8 +172,11 @@ def stage_activation_bytes(
     last: bool,
     dtype_bytes: int,
     attention_dropout_fused: bool = False,
+    cp: int = 1,
+    cp_comm_type: str = "p2p",
 ) -> int:
-    """Activations one micro-batch leaves on a stage of `layers` layers until its backward."""
+    """Activations one micro-batch leaves on a stage of `layers` layers until its backward
+    (under context parallelism, for this rank's S / cp tokens of each sequence)."""
     kept = partial = 0
     if recompute.full:
         n = recompute.num_layers or 1
@@ -183,15 +188,15 @@ def stage_activation_bytes(
     full_layer = layer_activation_bytes(
         config, micro_batch, tp, sequence_parallel=sp, dtype_bytes=dtype_bytes,
         recompute=RecomputeConfig() if recompute.full else recompute,
-        attention_dropout_fused=attention_dropout_fused,
+        attention_dropout_fused=attention_dropout_fused, cp=cp, cp_comm_type=cp_comm_type,
     )  # fmt: skip
     group_input = layer_activation_bytes(
         config, micro_batch, tp, sequence_parallel=sp, dtype_bytes=dtype_bytes,
-        recompute=RecomputeConfig("full", "uniform", 1),
+        recompute=RecomputeConfig("full", "uniform", 1), cp=cp,
     )  # fmt: skip
-    head = head_activation_bytes(config, micro_batch, tp, sp, dtype_bytes) if last else 0
+    head = head_activation_bytes(config, micro_batch, tp, sp, dtype_bytes, cp) if last else 0
     if first and config.hidden_dropout > 0:  # the embedding dropout's keep-mask
-        local_s = config.seq_length // tp if sp and tp > 1 else config.seq_length
+        local_s = config.seq_length // cp // (tp if sp and tp > 1 else 1)
         head += local_s * micro_batch * config.hidden_size * dtype_bytes
     return kept * full_layer + partial * group_input + head
 
@@ -245,6 +250,12 @@ class MemoryModel:
                    training.micro_batch_size, training.num_microbatches(dp), dp,
                    attention_dropout_fused=mode == "fused")  # fmt: skip
 
+    @property
+    def shard_ranks(self) -> int:
+        """The ranks optimizer state, gradients and (ZeRO-3) parameters shard over: DP x CP
+        (context-parallel ranks hold the same parameters and reduce gradients together)."""
+        return self.data_parallel_size * self.parallel.context_parallel_size
+
     def in_flight(self) -> list[int]:
         """Peak micro-batches (chunk forwards) each pipeline rank holds, from the simulator."""
         parallel = self.parallel
@@ -267,10 +278,10 @@ class MemoryModel:
         first, last = index == 0, index == p - 1
         layers = sum(chunks)
         count = stage_parameters(self.config, layers, first, last, tp)
-        param, grad, state = bytes_per_parameter(self.optimizer, self.data_parallel_size)
+        param, grad, state = bytes_per_parameter(self.optimizer, self.shard_ranks)
         dtype_bytes = training_dtype_bytes(self.optimizer)
         gathered = gathered_parameter_bytes(
-            self.config, self.optimizer, self.data_parallel_size, layers, first, last, tp,
+            self.config, self.optimizer, self.shard_ranks, layers, first, last, tp,
             whole_stage=self.parallel.schedule in ZERO_BUBBLE_KINDS,
         )  # fmt: skip
         recompute = recompute or self.recompute  # the memory partition's choice, or the flags'
@@ -286,6 +297,8 @@ class MemoryModel:
                 last and c == len(chunks) - 1,
                 dtype_bytes,
                 self.attention_dropout_fused,
+                self.parallel.context_parallel_size,
+                self.parallel.cp_comm_type,
             )
             for c, n in enumerate(chunks)
         ]

@@ -31,8 +31,10 @@ FSDP_SHARDING = ("optim_grads", "optim_grads_params")  # gradients sharded: run 
 class Layout:
     """TP x PP x DP ranks, VP model chunks per pipeline rank, the micro-batch, recomputation
     (a RECOMPUTE_MODES key), the data-parallel sharding (a SHARDING key: no_shard, optim =
-    the distributed optimizer, optim_grads = ZeRO-2, optim_grads_params = ZeRO-3) and the
-    pipeline schedule."""
+    the distributed optimizer, optim_grads = ZeRO-2, optim_grads_params = ZeRO-3), the
+    pipeline schedule, and context parallelism: CP ranks per sequence (in Megatron's rank
+    order tp-cp-dp-pp, so the world is TP x CP x DP x PP) and how they exchange keys and
+    values (--cp-comm-type)."""
 
     tp: int
     pp: int
@@ -42,6 +44,8 @@ class Layout:
     recompute: str = "none"
     sharding: str = "no_shard"
     schedule: str = "1f1b"
+    cp: int = 1
+    cp_comm_type: str = "p2p"
 
     def __post_init__(self) -> None:
         if self.sharding not in SHARDING:  # also catches the old bool distributed_optimizer
@@ -58,6 +62,10 @@ class Layout:
         """Gradients (ZeRO-2) and parameters (ZeRO-3) sharded too: torch's FSDP2."""
         return self.sharding in FSDP_SHARDING
 
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.dp * self.pp
+
     def num_microbatches(self, global_batch: int) -> int:
         return global_batch // (self.micro_batch * self.dp)
 
@@ -68,6 +76,8 @@ class Layout:
             virtual_pipeline_model_parallel_size=self.vp,
             pipeline_schedule=self.schedule,
             sequence_parallel=sequence_parallel and self.tp > 1,
+            context_parallel_size=self.cp,
+            cp_comm_type=self.cp_comm_type,
         )
 
     def optimizer_config(self, half_precision: bool) -> OptimizerConfig:
@@ -85,8 +95,12 @@ class Layout:
 
     def describe(self) -> str:
         """`TP8 PP4 VP2 DP32 mb1 full dist-opt interleaved-1f1b`, `TP1 PP1 DP64 mb1 none
-        ZeRO-3 1f1b`."""
-        parts = [f"TP{self.tp}", f"PP{self.pp}"]
+        ZeRO-3 1f1b`, `TP8 CP4 (a2a) PP1 DP2 mb1 none 1f1b`."""
+        parts = [f"TP{self.tp}"]
+        if self.cp > 1:
+            parts.append(f"CP{self.cp}" + ("" if self.cp_comm_type == "p2p" else
+                                            f" ({self.cp_comm_type})"))  # fmt: skip
+        parts.append(f"PP{self.pp}")
         if self.vp > 1:
             parts.append(f"VP{self.vp}")
         parts += [f"DP{self.dp}", f"mb{self.micro_batch}", self.recompute]

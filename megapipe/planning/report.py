@@ -48,24 +48,22 @@ def _row(rank: int, entry: Evaluated) -> str:
 
 
 def why_top(plan: Plan, alternatives: int = 4) -> list[str]:
-    """The top layout's terms, and the terms in which the best layout of each other (TP, PP)
-    loses to it."""
+    """The top layout's terms, and the terms in which the best layout of each other (TP, CP,
+    PP) loses to it."""
     top = plan.ranked[0]
     lines = [f"why #1 ({top.layout.describe()}) wins:", f"  {time_terms(top)}",
              f"  {memory_terms(top)}"]  # fmt: skip
-    seen = {(top.layout.tp, top.layout.pp)}
+    seen = {(top.layout.tp, top.layout.cp, top.layout.pp)}
     others = []
     for rank, entry in enumerate(plan.ranked, 1):
-        key = (entry.layout.tp, entry.layout.pp)
+        key = (entry.layout.tp, entry.layout.cp, entry.layout.pp)
         if key not in seen:
             seen.add(key)
             others.append((rank, entry))
     if others:
-        lines.append("  the best layout of each other (TP, PP), and what it loses on:")
+        lines.append("  the best layout of each other (TP, CP, PP), and what it loses on:")
     for rank, entry in others[:alternatives]:
-        diffs = {
-            name: entry.time.terms()[name] - top.time.terms()[name] for name in top.time.terms()
-        }
+        diffs = _differences(entry, top)
         worst = sorted(diffs.items(), key=lambda kv: -kv[1])[:2]
         losses = ", ".join(f"{name} {delta:+.3f} s" for name, delta in worst if delta > 0)
         slower = entry.time.total / top.time.total - 1
@@ -74,26 +72,33 @@ def why_top(plan: Plan, alternatives: int = 4) -> list[str]:
     return lines
 
 
+def _differences(entry: Evaluated, other: Evaluated) -> dict[str, float]:
+    """Each time term of `entry` less `other`'s (a term one of them lacks, CP's, counts 0)."""
+    ours, theirs = entry.time.terms(), other.time.terms()
+    return {name: ours.get(name, 0.0) - theirs.get(name, 0.0) for name in {**theirs, **ours}}
+
+
 def _loses_on(entry: Evaluated, other: Evaluated) -> str:
     """The term in which `entry` is slower than `other` by the most."""
     name, delta = max(
-        ((k, entry.time.terms()[k] - other.time.terms()[k]) for k in entry.time.terms()),
+        _differences(entry, other).items(),
         key=lambda kv: kv[1],
     )
     return f"{name} {delta:+.3g} s"
 
 
 def sharding_verdict(plan: Plan) -> str:
-    """One line: whether the best pure sharded-DP layout (TP1 PP1, ZeRO-2/3) fits, and how
-    its step compares with the best model-parallel one (TP x PP > 1, plain DP or ZeRO-1)."""
+    """One line: whether the best pure sharded-DP layout (TP1 CP1 PP1, ZeRO-2/3) fits, and how
+    its step compares with the best model-parallel one (TP x CP x PP > 1, plain DP or ZeRO-1;
+    "TP x PP" in the line, as CP is named in the layout)."""
     world = plan.cluster.world_size
     what = "sharded DP vs TP x PP: "
     if world == 1:
         return what + "one GPU: nothing to shard or split"
     if not set(FSDP_SHARDING) & set(plan.options.sharding):
         return what + "ZeRO-2/3 not searched (--sharding)"
-    sharded = plan.position(lambda x: x.tp == x.pp == 1 and x.fsdp)
-    model_parallel = plan.position(lambda x: x.tp * x.pp > 1 and not x.fsdp)
+    sharded = plan.position(lambda x: x.tp == x.pp == x.cp == 1 and x.fsdp)
+    model_parallel = plan.position(lambda x: x.tp * x.pp * x.cp > 1 and not x.fsdp)
     if model_parallel:
         mp = model_parallel[1]
         best_mp = (f"the best TP x PP layout (#{model_parallel[0]} {mp.layout.describe()}, "
@@ -112,7 +117,7 @@ def sharding_verdict(plan: Plan) -> str:
         return what + (f"{fits} but is {slower:.0%} slower than {best_mp}: "
                        f"{_loses_on(sh, mp)}")  # fmt: skip
     over = [r for r in plan.rejected if r.layout is not None and r.memory_bytes is not None
-            and r.layout.tp == r.layout.pp == 1 and r.layout.fsdp]  # fmt: skip
+            and r.layout.tp == r.layout.pp == r.layout.cp == 1 and r.layout.fsdp]  # fmt: skip
     if over:
         least = min(over, key=lambda r: r.memory_bytes or 0.0)
         why = f"the smallest ({least.what}) {least.reason}"

@@ -4,10 +4,12 @@ A layout is rejected, as a whole sub-tree where the reason is shared, when the a
 or query groups do not divide by TP, a TP group would span two nodes (TP above, or not a
 divisor of, the GPUs per node; unless allowed: its all-reduces would leave NVLink), the layers
 do not divide by PP x VP, the global batch does not divide by micro-batch x DP, the schedule
-cannot run it (`schedules.validate_schedule`'s message), or its largest stage needs more than
-`memory_fraction` of the GPU's memory. The rest are ranked by
-estimated step time, then memory. Data-parallel sharding (no_shard, ZeRO-1/2/3) is searched
-only where DP > 1: at DP1 there is nothing to shard.
+cannot run it (`schedules.validate_schedule`'s message), the sequence does not split into
+2 x CP chunks (or, for a2a, the heads per TP rank over CP), or its largest stage needs more
+than `memory_fraction` of the GPU's memory. Context parallelism is searched by default only
+for long sequences: CP sizes that leave each rank at least MIN_TOKENS_PER_CP_RANK tokens. The
+rest are ranked by estimated step time, then memory. Data-parallel sharding (no_shard,
+ZeRO-1/2/3) is searched only where DP x CP > 1: on one rank there is nothing to shard.
 """
 
 from __future__ import annotations
@@ -22,6 +24,15 @@ from megapipe.planning.cluster import GIB, Cluster
 from megapipe.planning.layout import RECOMPUTE_MODES, SHARDING, Layout
 from megapipe.planning.memory import LayoutMemory, layout_memory
 from megapipe.planning.time_model import StepTime, TimeKnobs, step_time, within_node
+
+MIN_TOKENS_PER_CP_RANK = 4096  # below this, CP's exchange outweighs what it saves (default)
+CP_SIZES = (1, 2, 4, 8, 16, 32)
+
+
+def default_context_parallel(seq_length: int) -> tuple[int, ...]:
+    """The CP sizes searched when none are given: 1, and those leaving each rank at least
+    MIN_TOKENS_PER_CP_RANK tokens of a sequence."""
+    return tuple(c for c in CP_SIZES if c == 1 or seq_length // c >= MIN_TOKENS_PER_CP_RANK)
 
 
 @dataclass(frozen=True)
@@ -38,6 +49,9 @@ class PlanOptions:
     memory_fraction: float = 0.9  # of the GPU's memory, the rest for the CUDA context, NCCL, ...
     sequence_parallel: bool = False
     knobs: TimeKnobs = field(default_factory=TimeKnobs)
+    # CP sizes (None: default_context_parallel) and --cp-comm-type values to search
+    context_parallel: tuple[int, ...] | None = None
+    cp_comm_types: tuple[str, ...] = ("p2p",)
 
 
 @dataclass(frozen=True)
@@ -135,9 +149,8 @@ def plan(
         if model.num_attention_heads % tp or model.num_query_groups % tp:
             what = "heads" if model.num_attention_heads % tp else "query groups"
             count = model.num_attention_heads if what == "heads" else model.num_query_groups
-            reject(
-                Rejected(f"TP{tp}", "heads % TP", f"{what} ({count}) not divisible by TP ({tp})")
-            )
+            reason = f"{what} ({count}) not divisible by TP ({tp})"
+            reject(Rejected(f"TP{tp}", "heads % TP", reason))
             continue
         if not within_node(cluster, tp) and not options.allow_cross_node_tp:
             reject(Rejected(f"TP{tp}", "TP across nodes",
@@ -145,34 +158,79 @@ def plan(
                             f"{cluster.gpus_per_node} GPUs: its all-reduces would cross nodes "
                             "(--allow-cross-node-tp)"))  # fmt: skip
             continue
-        for pp in divisors(world // tp):
-            dp = world // (tp * pp)
-            for kind, vp in _schedules_for(options, pp):
-                where = f"TP{tp} PP{pp}" + (f" VP{vp}" if vp > 1 else "")
-                if model.num_layers % (pp * vp):
-                    reject(Rejected(f"{where} {kind}", "layers % PPxVP",
-                                    f"layers ({model.num_layers}) not divisible by PP x VP "
-                                    f"({pp} x {vp})"))  # fmt: skip
-                    continue
-                for mb in options.micro_batches:
-                    if global_batch % (mb * dp):
-                        reject(Rejected(f"{where} DP{dp} mb{mb}", "batch % mb x DP",
-                                        f"global batch ({global_batch}) not divisible by "
-                                        f"micro-batch x DP ({mb} x {dp})"))  # fmt: skip
-                        continue
-                    m = global_batch // (mb * dp)
-                    try:
-                        schedules.validate_schedule(kind, pp, vp, m)
-                    except ConfigError as error:
-                        reject(Rejected(f"{where} DP{dp} mb{mb} {kind}", "schedule", str(error)))
-                        continue
-                    for recompute in options.recompute:
-                        for sharding in options.sharding if dp > 1 else ("no_shard",):
-                            layout = Layout(tp, pp, dp, vp, mb, recompute, sharding, kind)
-                            entry = _evaluate(model, cluster, global_batch, options, layout)
-                            if isinstance(entry, Rejected):
-                                reject(entry)
-                            else:
-                                result.ranked.append(entry)
+        for cp, comm_type in _context_parallel_for(model, options, world, tp, reject):
+            _search_model_parallel(model, cluster, global_batch, options, result, tp, cp,
+                                   comm_type)  # fmt: skip
     result.ranked.sort(key=lambda e: (e.time.total, e.memory.total))
     return result
+
+
+def _context_parallel_for(
+    model: ModelConfig, options: PlanOptions, world: int, tp: int, reject
+) -> Iterator[tuple[int, str]]:
+    """(CP size, comm type) pairs to search at this TP; the rest rejected with the reason."""
+    sizes = options.context_parallel or default_context_parallel(model.seq_length)
+    for cp in sizes:
+        if (world // tp) % cp:
+            reject(Rejected(f"TP{tp} CP{cp}", "world % TPxCP",
+                            f"world ({world}) not divisible by TP x CP ({tp} x {cp})"))  # fmt: skip
+            continue
+        if model.seq_length % (2 * cp):
+            reason = f"sequence ({model.seq_length}) not divisible by 2 x CP ({2 * cp})"
+            reject(Rejected(f"TP{tp} CP{cp}", "seq % 2CP", reason))
+            continue
+        for comm_type in options.cp_comm_types if cp > 1 else ("p2p",):
+            heads, groups = model.num_attention_heads // tp, model.num_query_groups // tp
+            if comm_type == "a2a" and (heads % cp or groups % cp):
+                reject(Rejected(f"TP{tp} CP{cp} (a2a)", "heads % CP (a2a)",
+                                f"heads ({heads}) and query groups ({groups}) per TP rank not "
+                                f"divisible by CP ({cp})"))  # fmt: skip
+                continue
+            yield cp, comm_type
+
+
+def _search_model_parallel(
+    model: ModelConfig,
+    cluster: Cluster,
+    global_batch: int,
+    options: PlanOptions,
+    result: Plan,
+    tp: int,
+    cp: int,
+    comm_type: str,
+) -> None:
+    """Every PP x VP x DP x micro-batch x recomputation x sharding layout at this TP and CP."""
+    reject = result.rejected.append
+    world = cluster.world_size
+    cp_name = "" if cp == 1 else f" CP{cp}" + ("" if comm_type == "p2p" else f" ({comm_type})")
+    for pp in divisors(world // (tp * cp)):
+        dp = world // (tp * cp * pp)
+        for kind, vp in _schedules_for(options, pp):
+            where = f"TP{tp}{cp_name} PP{pp}" + (f" VP{vp}" if vp > 1 else "")
+            if model.num_layers % (pp * vp):
+                reject(Rejected(f"{where} {kind}", "layers % PPxVP",
+                                f"layers ({model.num_layers}) not divisible by PP x VP "
+                                f"({pp} x {vp})"))  # fmt: skip
+                continue
+            for mb in options.micro_batches:
+                if global_batch % (mb * dp):
+                    reject(Rejected(f"{where} DP{dp} mb{mb}", "batch % mb x DP",
+                                    f"global batch ({global_batch}) not divisible by "
+                                    f"micro-batch x DP ({mb} x {dp})"))  # fmt: skip
+                    continue
+                m = global_batch // (mb * dp)
+                try:
+                    schedules.validate_schedule(kind, pp, vp, m)
+                except ConfigError as error:
+                    reject(Rejected(f"{where} DP{dp} mb{mb} {kind}", "schedule", str(error)))
+                    continue
+                for recompute in options.recompute:
+                    # sharding over DP x CP: CP ranks hold the same parameters
+                    for sharding in options.sharding if dp * cp > 1 else ("no_shard",):
+                        layout = Layout(tp, pp, dp, vp, mb, recompute, sharding, kind, cp,
+                                        comm_type)  # fmt: skip
+                        entry = _evaluate(model, cluster, global_batch, options, layout)
+                        if isinstance(entry, Rejected):
+                            reject(entry)
+                        else:
+                            result.ranked.append(entry)

@@ -52,6 +52,20 @@ Assumptions (stated, each a knob or a line here):
   --overlap-grad-reduce); `param_gather_overlap` of ZeRO-2/3's all-gathers hides behind the
   layers' compute (FSDP2's prefetch, --overlap-param-gather; 0 by default, which is what gloo
   on a CPU gives); what ZeRO-2/3 hide per micro-batch is at most that micro-batch's compute.
+* CP (context parallelism, Layout.cp ranks per sequence, in a group of TP x CP consecutive
+  ranks): each rank holds S / CP tokens, so compute, TP's and PP's activations divide by CP
+  and gradients reduce over DP x CP (its bandwidth that of TP x CP x DP ranks). Per layer and
+  micro-batch, with k = the local keys and values (2 S/CP b g d / t elements):
+  - p2p (the ring): CP - 1 steps forward each passing k to the next rank; backward CP - 1
+    passes of k and CP passes of the fp32 dK/dV accumulator. Each step's transfer runs under
+    that step's block attention (the rank's share of the attention core, core / (t CP^2)
+    forward and twice that backward; `cp_overlap`): only what exceeds it is exposed; the
+    accumulator's last hop home overlaps nothing;
+  - all_gather: an all-gather of K and V forward, a reduce-scatter of dK and dV backward,
+    (CP - 1) k each, not overlapped;
+  - a2a: all-to-alls of q, k, v and the output forward and again backward, (CP - 1)/CP of
+    the local bytes each, not overlapped.
+  Recomputation (full, or selective of the attention core) runs the forward's share again.
 * Latency: every collective and send above also costs the cluster's `collective_latency_us`
   (TP: each all-reduce; PP: each send; DP: each bucket's collective, two with the distributed
   optimizer; ZeRO-2/3: each FSDP group's collectives, per micro-batch). Small for large
@@ -91,6 +105,8 @@ class TimeKnobs:
     # the backward TP all-reduces run under their linears' weight-gradient matmuls (megapipe's
     # TP linear, --tp-comm-overlap's default; Megatron-LM from late 2021: async all-reduce)
     tp_weight_grad_overlap: bool = True
+    # the ring's (--cp-comm-type p2p) transfers run under the block attention of each step
+    cp_overlap: bool = True
     half_precision: bool = True  # bf16/fp16 activations and parameters (else fp32)
     pp_scatter_gather: bool = True
 
@@ -112,10 +128,12 @@ class StepTime:
     flops: int  # model FLOPs of the iteration (Megatron's count, no recomputation)
     world_size: int
     dp_gather: float = 0.0  # the parameter all-gathers' part of dp_comm (ZeRO-1/2/3)
+    cp_comm: float = 0.0  # context parallelism's exposed K/V exchange
 
     @property
     def total(self) -> float:
-        return self.compute + self.bubble + self.tp_comm + self.pp_comm + self.dp_comm
+        return (self.compute + self.bubble + self.tp_comm + self.pp_comm + self.dp_comm
+                + self.cp_comm)  # fmt: skip
 
     @property
     def tflops_per_gpu(self) -> float:
@@ -123,8 +141,11 @@ class StepTime:
         return self.flops / (self.total * self.world_size * 1e12)
 
     def terms(self) -> dict[str, float]:
-        return {"compute": self.compute, "bubble": self.bubble, "TP comm": self.tp_comm,
-                "PP comm": self.pp_comm, "DP comm": self.dp_comm}  # fmt: skip
+        terms = {"compute": self.compute, "bubble": self.bubble, "TP comm": self.tp_comm,
+                 "PP comm": self.pp_comm, "DP comm": self.dp_comm}  # fmt: skip
+        if self.cp_comm:
+            terms["CP comm"] = self.cp_comm
+        return terms
 
 
 @functools.lru_cache(maxsize=1024)
@@ -163,12 +184,16 @@ def tp_bandwidth(cluster: Cluster, layout: Layout) -> float:
     return _bandwidth(cluster, layout.tp)
 
 
+def cp_bandwidth(cluster: Cluster, layout: Layout) -> float:
+    return _bandwidth(cluster, layout.tp * layout.cp)
+
+
 def dp_bandwidth(cluster: Cluster, layout: Layout) -> float:
-    return _bandwidth(cluster, layout.tp * layout.dp)
+    return _bandwidth(cluster, layout.tp * layout.cp * layout.dp)
 
 
 def pp_bandwidth(cluster: Cluster, layout: Layout) -> float:
-    return _bandwidth(cluster, layout.tp * layout.dp * layout.pp)
+    return _bandwidth(cluster, layout.world_size)
 
 
 @dataclass(frozen=True)
@@ -211,7 +236,7 @@ def data_parallel_seconds(
 ) -> DataParallelTime:
     """The DP term of the module docstring for a stage of `params` parameters (one TP rank's)
     in `groups` FSDP groups, whose micro-batch computes for `compute_per_microbatch` s."""
-    d, g = layout.dp, knobs.dtype_bytes
+    d, g = layout.dp * layout.cp, knobs.dtype_bytes  # gradients reduce over DP x CP
     if d == 1:
         return DataParallelTime()
     gbps = dp_bandwidth(cluster, layout)
@@ -239,6 +264,40 @@ def data_parallel_seconds(
     return DataParallelTime(once=(gather + reduce) * keep, once_gather=gather * keep)
 
 
+def context_parallel_seconds(
+    model: ModelConfig,
+    layout: Layout,
+    cluster: Cluster,
+    knobs: TimeKnobs,
+    core_seconds: float,
+) -> float:
+    """The CP term of the module docstring: one layer's exposed K/V exchange per micro-batch
+    (forward and backward, and the forward's again under recomputation), given the seconds of
+    the whole attention core's forward on one TP rank without CP (`core_seconds`)."""
+    c, t = layout.cp, layout.tp
+    if c == 1:
+        return 0.0
+    gbps = cp_bandwidth(cluster, layout) * GB
+    latency = cluster.collective_latency_us * 1e-6
+    local = model.seq_length // c * layout.micro_batch * model.head_dim // t
+    kv = 2 * local * model.num_query_groups * knobs.dtype_bytes  # this rank's K and V
+    if layout.cp_comm_type == "p2p":
+        block = core_seconds / (c * c)  # one step's share of the rank's attention core
+        hide = 1.0 if knobs.cp_overlap else 0.0
+        send = kv / gbps + latency
+        grads = 2 * local * model.num_query_groups * 4 / gbps + latency  # fp32 dK, dV
+        forward = (c - 1) * max(0.0, send - hide * block)
+        backward = (c - 1) * max(0.0, send + grads - hide * 2 * block) + grads
+    elif layout.cp_comm_type == "all_gather":
+        forward = backward = (c - 1) * kv / gbps + 2 * latency  # K and V, each a collective
+    else:  # a2a: q, k, v and the output, forward and backward
+        heads = 2 * (model.num_attention_heads + model.num_query_groups)
+        moved = (c - 1) / c * local * heads * knobs.dtype_bytes
+        forward = backward = moved / gbps + 4 * latency
+    again = forward if layout.recompute in ("full", "selective") else 0.0
+    return forward + backward + again
+
+
 def step_time(
     model: ModelConfig,
     layout: Layout,
@@ -247,13 +306,14 @@ def step_time(
     knobs: TimeKnobs = TimeKnobs(),
 ) -> StepTime:
     """The estimate of the module docstring for one training step."""
-    t, p, v, d, b = layout.tp, layout.pp, layout.vp, layout.dp, layout.micro_batch
+    t, p, v, b = layout.tp, layout.pp, layout.vp, layout.micro_batch
+    c = layout.cp  # each CP rank computes and moves S / CP tokens of every sequence
     m = layout.num_microbatches(global_batch)
     vocab = model.padded_vocab_size(t)
     layer_fwd, logits_fwd, core_fwd = _forward_flops(model, b, vocab)
     recompute = {"none": 0, "selective": core_fwd, "full": layer_fwd}[layout.recompute]
     rate = cluster.peak_tflops * 1e12 * cluster.matmul_efficiency
-    activation = model.seq_length * b * model.hidden_size * knobs.dtype_bytes
+    activation = model.seq_length // c * b * model.hidden_size * knobs.dtype_bytes
     latency = cluster.collective_latency_us * 1e-6
 
     def fixed_cost(ranks: int, collectives: int = 1) -> float:
@@ -269,30 +329,32 @@ def step_time(
         a column-parallel linear with `out_features` (before the TP split)."""
         if not knobs.tp_weight_grad_overlap:
             return all_reduce
-        weight_grad = 2 * model.seq_length * b * model.hidden_size * out_features / t / rate
+        weight_grad = 2 * model.seq_length // c * b * model.hidden_size * out_features / t / rate
         return max(0.0, all_reduce - weight_grad)
 
     qkv = (model.num_attention_heads + 2 * model.num_query_groups) * model.head_dim
     fc1 = model.ffn_hidden_size * (2 if model.swiglu else 1)
     per_layer = forward_all_reduces * all_reduce + behind_weight_grad(qkv) + behind_weight_grad(fc1)
     output_layer = behind_weight_grad(vocab) + fixed_cost(t)  # + the CE all-gather
+    ring = context_parallel_seconds(model, layout, cluster, knobs, core_fwd / t / rate)
     stage_map = partition_layers(model, p, v)
     stages = []
     for rank in sorted({0, p - 1}):
         layers = sum(len(chunk) for chunk in stage_map.layers[rank])
         first, last = rank == 0, rank == p - 1
         flops = layers * (3 * layer_fwd + recompute) + (3 * logits_fwd if last else 0)
-        compute = flops / t / rate
+        compute = flops / (t * c) / rate
         tp = layers * per_layer + first * all_reduce + last * output_layer
         tp *= 1 - knobs.tp_overlap
+        cp = layers * ring  # the CP exchange of the stage's layers
         params = stage_parameters(model, layers, first, last, t)
         roots = int(first) + int(last) - int(first and last and v == 1)  # embedding, head
         dp = data_parallel_seconds(layout, cluster, knobs, params, layers + roots, compute)
-        stages.append((compute + tp + dp.per_microbatch, compute, tp, dp))
-    _, compute, tp, dp = max(stages, key=lambda s: s[0])
+        stages.append((compute + tp + cp + dp.per_microbatch, compute, tp, cp, dp))
+    _, compute, tp, cp, dp = max(stages, key=lambda s: s[0])
     filling = min(s[0] for s in stages)
-    once = max(s[3].once for s in stages)
-    gather = max(s[3].once_gather for s in stages) + m * dp.gather_per_microbatch
+    once = max(s[4].once for s in stages)
+    gather = max(s[4].once_gather for s in stages) + m * dp.gather_per_microbatch
     beta = bubble_fraction(layout.schedule, p, v, m)
     p2p = activation / (t if knobs.pp_scatter_gather else 1) / (pp_bandwidth(cluster, layout) * GB)
     p2p += fixed_cost(p)
@@ -305,6 +367,7 @@ def step_time(
         dp_comm=m * dp.per_microbatch + once,
         bubble_fraction=beta,
         flops=flops_per_iteration(model, global_batch, padded_vocab_size=vocab),
-        world_size=t * p * d,
+        world_size=layout.world_size,
         dp_gather=gather,
+        cp_comm=m * cp,
     )
