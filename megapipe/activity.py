@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch.distributed as dist
 
-from megapipe.errors import PipelineCommError, RankFailure
+from megapipe.errors import ContextParallelCommError, PipelineCommError, RankFailure
 
 if TYPE_CHECKING:
     from megapipe.parallel.state import ParallelState
@@ -71,12 +71,15 @@ class Activity:
 
     def operation(self) -> str:
         """The operation entered last, e.g. `receive of F2.0 from pipeline rank 0 (global
-        rank 1)`, with the tensor-parallel peers of a compute that runs TP collectives."""
+        rank 1)`, with the tensor- and context-parallel peers of a compute that runs their
+        collectives."""
         moment, what, args, _ = self.current
         text = what.format(*args)
         state = self.state
         if moment in _COMPUTE_MOMENTS and state is not None and state.tp.size > 1:
             text += f", in its tensor-parallel collectives with ranks {list(state.tp.ranks)}"
+        if moment in _COMPUTE_MOMENTS and state is not None and state.cp.size > 1:
+            text += f", in its context-parallel attention with ranks {list(state.cp.ranks)}"
         return text
 
     def where(self) -> str:
@@ -105,7 +108,7 @@ class Activity:
 
 def is_communication_failure(error: BaseException) -> bool:
     """A collective or transfer error (a peer died, a timeout), not a bug in this rank."""
-    if isinstance(error, (dist.DistError, PipelineCommError)):
+    if isinstance(error, (dist.DistError, PipelineCommError, ContextParallelCommError)):
         return True
     text = str(error)
     return isinstance(error, RuntimeError) and any(

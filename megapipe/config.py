@@ -116,8 +116,9 @@ class ParallelConfig:
     # Post each receive one compute unit before the unit that needs it (the transfer overlaps
     # that compute); False posts it just before (Megatron's --no-overlap-p2p-communication).
     pipeline_receives_ahead: bool = True
-    # Debugging: run gloo's pipeline transfers in NCCL's order (one stream per process group,
-    # in posting order), so that a posting order that would hang on GPUs hangs on the CPU too.
+    # Debugging: run gloo's pipeline (and context-parallel ring) transfers in NCCL's order (one
+    # stream per process group, in posting order), so that a posting order that would hang on
+    # GPUs hangs on the CPU too.
     emulate_nccl_p2p_order: bool = False
     pipeline_trace: str | None = None  # Chrome-trace JSON of the measured schedule
     sequence_parallel: bool = False
@@ -377,6 +378,9 @@ class KernelConfig:
     # how context-parallel attention exchanges keys and values (ParallelConfig.cp_comm_type,
     # repeated here for the layers, which receive this config)
     cp_comm_type: str = "p2p"
+    # ParallelConfig.emulate_nccl_p2p_order, repeated for the layers: the CP ring's transfers
+    # in NCCL's order (gloo only, debugging)
+    emulate_nccl_p2p_order: bool = False
     transformer_impl: str = "local"  # or transformer_engine
     bias_gelu_fusion: bool = True
     bias_dropout_fusion: bool = True

@@ -37,6 +37,11 @@ class PipelineCommError(MegapipeError, RuntimeError):
     """A transfer with a neighbouring stage failed or timed out."""
 
 
+class ContextParallelCommError(MegapipeError, RuntimeError):
+    """A transfer of the context-parallel ring (K/V or dK/dV) failed or timed out; the message
+    names the step and the CP peer with its global rank."""
+
+
 def flag(name: str) -> str:
     """The command-line flag for a config field name: `hidden_size` -> `--hidden-size`."""
     return "--" + name.replace("_", "-")

@@ -84,6 +84,20 @@ def printed(stdout: str) -> dict[int, tuple[str, str]]:
     return {int(m[1]): (m[2], m[3]) for m in map(LOSS_LINE.match, stdout.splitlines()) if m}
 
 
+VALIDATION_LINE = re.compile(
+    r"^ validation loss at (.+?) \| lm loss value: (\S+) \| lm loss PPL: (\S+) \|"
+)
+
+
+def validation_lines(stdout: str) -> list[tuple[str, float, float]]:
+    """Megatron's validation lines as printed: (where, e.g. "iteration 2", loss, PPL)."""
+    return [
+        (m.group(1), float(m.group(2)), float(m.group(3)))
+        for m in map(VALIDATION_LINE.match, stdout.splitlines())
+        if m
+    ]
+
+
 def run(world: int, flags: list[str]) -> tuple[list, str]:
     """Train `flags` on `world` ranks: the first rank's iteration results, the last's stdout."""
     outputs = run_distributed(train_with_flags, world, flags, timeout=180)

@@ -328,10 +328,6 @@ FLAG_CASES: list[tuple[Bad, dict, list[str], int]] = [
        "a Megatron-LM feature that megapipe does not support yet (only 1)",
        "leave --expert-model-parallel-size / --expert-tensor-parallel-size at 1"),
      {"expert_model_parallel_size": 2}, [], 1),
-    (B("attention dropout with context parallelism", "--attention-dropout (0.1) with "
-       "--context-parallel-size (2): context-parallel attention has no dropout yet",
-       "use --attention-dropout 0 (hidden dropout is supported)"),
-     {"context_parallel_size": 2, "attention_dropout": 0.1}, [], 2),
     (B("world size not a multiple of TP x CP x PP", "world size (2) is not divisible by "
        "--tensor-model-parallel-size (1) x --context-parallel-size (3) x "
        "--pipeline-model-parallel-size (1) = 3", "launch a multiple of TP x CP x PP ranks"),

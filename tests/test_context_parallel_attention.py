@@ -281,8 +281,8 @@ def test_a2a_needs_heads_and_groups_divisible_by_cp(heads, groups):
 
 def test_other_errors():
     q, k = torch.randn(1, 4, 8, D), torch.randn(1, 2, 8, D)
-    with pytest.raises(NotImplementedError, match="dropout"):
-        context_parallel_attention(q, k, k, None, comm_type="p2p", scale=1.0, dropout_p=0.1)
+    with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\), got 1.5"):
+        context_parallel_attention(q, k, k, None, comm_type="p2p", scale=1.0, dropout_p=1.5)
     with pytest.raises(ValueError, match="block_kernel 'flash'"):
         context_parallel_attention(q, k, k, None, comm_type="p2p", scale=1.0, block_kernel="flash")
     with pytest.raises(ValueError, match="comm_type 'ring'"):

@@ -3,8 +3,6 @@ losses whatever the layout, an independent plain-PyTorch reference, and no effec
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 
@@ -14,6 +12,7 @@ from megapipe.parallel.state import ParallelState
 from megapipe.testing import run_distributed, train_with_flags
 from megapipe.testing.reference_gpt import reference_from_megapipe
 from megapipe.training.build import build_model_chunks_for
+from tests.helpers import validation_lines
 
 GBS, MBS, SEQ, VOCAB = 8, 2, 16, 128
 BASE = [
@@ -23,17 +22,6 @@ BASE = [
     "--lr", "3e-3", "--log-interval", "2", "--eval-interval", "2", "--eval-iters", "2",
     "--attention-dropout", "0", "--hidden-dropout", "0",
 ]  # fmt: skip
-VALIDATION = re.compile(
-    r"^ validation loss at (.+?) \| lm loss value: (\S+) \| lm loss PPL: (\S+) \|"
-)
-
-
-def validation_lines(stdout: str) -> list[tuple[str, float, float]]:
-    return [
-        (m.group(1), float(m.group(2)), float(m.group(3)))
-        for m in map(VALIDATION.match, stdout.splitlines())
-        if m
-    ]
 
 
 def _run(world: int, extra: list[str]) -> tuple[list, str]:

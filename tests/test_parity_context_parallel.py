@@ -62,6 +62,33 @@ def test_hidden_dropout_with_context_parallelism_matches_one_rank():
     _assert_matches(run_distributed(parity_losses_and_norms, 2, dropout + CP2), expected)
 
 
+def test_attention_dropout_with_context_parallelism_matches_one_rank():
+    """Layout-invariant attention dropout (and hidden dropout) at 0.1: every CP rank applies the
+    one-rank run's [heads, S, S] keep-mask at its (query, key) pairs' global positions, so CP2
+    with each comm type trains to the one-rank losses and grad norms; the control shows the
+    attention dropout moves them."""
+    hidden = ROPE + ["--hidden-dropout", "0.1"]
+    dropout = hidden + ["--attention-dropout", "0.1"]
+    expected = run_distributed(parity_losses_and_norms, 1, dropout)[0]
+    control = run_distributed(parity_losses_and_norms, 1, hidden)[0]
+    assert _worst([control], expected, 0) > 10 * TOLERANCE  # dropout is on, and visible
+    assert _worst([control], expected, 1) > 10 * TOLERANCE
+    for comm in ("p2p", "all_gather", "a2a"):
+        runs = run_distributed(parity_losses_and_norms, 2, dropout + CP2 + ["--cp-comm-type", comm])
+        _assert_matches(runs, expected)
+        print(f"\n{comm}: max relative difference, losses {_worst(runs, expected, 0):.1e}, "
+              f"grad norms {_worst(runs, expected, 1):.1e}")  # fmt: skip
+
+
+def _worst(runs, expected, which: int) -> float:
+    """Max relative difference over ranks and iterations of losses (0) or grad norms (1)."""
+    return max(
+        abs(got - want) / abs(want)
+        for run in runs
+        for got, want in zip(run[which], expected[which])
+    )
+
+
 def test_learned_positions_with_context_parallelism_match_one_rank():
     """Learned absolute position embeddings index by the tokens' global positions."""
     expected = run_distributed(parity_losses_and_norms, 1, [])[0]

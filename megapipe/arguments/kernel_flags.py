@@ -151,6 +151,8 @@ def kernel_config(args: argparse.Namespace) -> KernelConfig:
         for name in ("fp8_format", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo")
     }
     cp = {"cp_comm_type": cp_comm_type(args)} if hasattr(args, "cp_comm_type") else {}
+    if getattr(args, "emulate_nccl_p2p_order", False):
+        cp["emulate_nccl_p2p_order"] = True
     return KernelConfig(attention_backend=backend, transformer_impl=args.transformer_impl,
                         attention_dropout_rng=args.attention_dropout_rng,
                         **switches, **fp8, **cp)  # fmt: skip

@@ -110,10 +110,10 @@ def add_distributed_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--emulate-nccl-p2p-order",
         action="store_true",
-        help="Debugging, gloo only: run the pipeline's transfers as NCCL does, each process "
-        "group's in posting order (a receive posted early holds back that group's later "
-        "transfers), so that an order that would hang on GPUs hangs (and times out naming "
-        "the peer) on the CPU too. Slower; off by default.",
+        help="Debugging, gloo only: run the pipeline's and the context-parallel ring's "
+        "transfers as NCCL does, each process group's in posting order (a receive posted "
+        "early holds back that group's later transfers), so that an order that would hang on "
+        "GPUs hangs (and times out naming the peer) on the CPU too. Slower; off by default.",
     )
     group.add_argument(
         "--no-overlap-p2p-communication",

@@ -203,15 +203,12 @@ def validate_context_parallel(model: ModelConfig, parallel: ParallelConfig) -> N
 def validate_context_parallel_features(
     model: ModelConfig, parallel: ParallelConfig, data: object, kernels: object
 ) -> None:
-    """What context-parallel training does not support yet, refused up front."""
+    """What context-parallel training does not support yet, refused up front. (Attention
+    dropout is supported: with --attention-dropout-rng layout-invariant, the CPU default, it is
+    the one-rank run's; fused draws each rank's mask from the tensor-parallel stream.)"""
     cp = parallel.context_parallel_size
     if cp == 1:
         return
-    _require(
-        model.attention_dropout == 0,
-        f"--attention-dropout ({model.attention_dropout}) with --context-parallel-size ({cp}): "
-        "context-parallel attention has no dropout yet; use --attention-dropout 0",
-    )
     _require(
         not (isinstance(kernels, KernelConfig) and kernels.transformer_impl != "local"),
         f"--transformer-impl transformer_engine with --context-parallel-size ({cp}): context "

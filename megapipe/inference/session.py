@@ -6,6 +6,11 @@ checkpoint (`--load`, `--ckpt-step`), the layout (`--tensor-model-parallel-size`
 (`--tokenizer-type` and friends). The tokenizer flags default to those the checkpoint was
 trained with, so `--load DIR` alone is enough. A run without a tokenizer (mock data) reads and
 writes token ids, space-separated, as Megatron's NullTokenizer, and never stops at an EOD.
+
+Generation runs without context parallelism: decoding steps of one token have no sequence to
+split. `--context-parallel-size` is accepted at 1 (a training command line's flags carry over)
+and any other size is refused in one line, before any rank joins a process group. Checkpoints
+are layout-free, so one trained at any CP size loads here.
 """
 
 from __future__ import annotations
@@ -37,6 +42,13 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--ckpt-step", type=int, help="Iteration to load instead of the latest.")
     group.add_argument("--tensor-model-parallel-size", type=int, default=1)
     group.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    group.add_argument(
+        "--context-parallel-size",
+        type=int,
+        default=1,
+        help="Only 1: generation runs without context parallelism (a checkpoint trained at "
+        "any context-parallel size loads).",
+    )
     precision = group.add_mutually_exclusive_group()
     precision.add_argument("--bf16", action="store_true", help="Compute in bf16.")
     precision.add_argument("--fp16", action="store_true", help="Compute in fp16.")
@@ -165,9 +177,21 @@ def build_session_tokenizer(
     return tokenizer, eod if eod is not None and 0 <= eod < vocab else None
 
 
+def check_no_context_parallelism(size: int) -> None:
+    """GenerationError naming --context-parallel-size unless it is 1."""
+    if size != 1:
+        raise GenerationError(
+            f"--context-parallel-size {size}: generation runs without context parallelism "
+            "(decoding steps of one token have no sequence to split); drop the flag, a "
+            "checkpoint trained at any context-parallel size loads at TP x PP"
+        )
+
+
 def start_session(args: argparse.Namespace) -> Session:
     """Join the process group (torchrun's, or a one-rank one), build the layout's groups and
-    load the model (collective)."""
+    load the model (collective). GenerationError first, with no process group joined, for a
+    --context-parallel-size other than 1."""
+    check_no_context_parallelism(args.context_parallel_size)
     device = initialize_distributed(args.distributed_backend)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     world = torch.distributed.get_world_size()

@@ -66,13 +66,16 @@ class SelfAttention(torch.nn.Module):
         dropout_rng: str = "auto",
         cp: Group | None = None,
         cp_comm_type: str = "p2p",
+        cp_emulate_nccl_order: bool = False,
     ) -> None:
         """cp: the context-parallel group; with more than one rank, each holds its chunks of
         every sequence (`data/context_parallel_split.py`) and the core attention runs over the
-        group (`context_parallel_attention`, `cp_comm_type`: p2p, all_gather or a2a)."""
+        group (`context_parallel_attention`, `cp_comm_type`: p2p, all_gather or a2a;
+        `cp_emulate_nccl_order`: the p2p ring in NCCL's order on gloo, --emulate-nccl-p2p-order)."""
         super().__init__()
         self.cp = cp if cp is not None and cp.size > 1 else None
         self.cp_comm_type = cp_comm_type
+        self.cp_emulate_nccl_order = cp_emulate_nccl_order
         self.rng = rng
         self.recompute_core = recompute_core  # --recompute-granularity selective (core_attn)
         self.backend = backend  # --attention-backend (model/attention_backends.py)
@@ -140,7 +143,7 @@ class SelfAttention(torch.nn.Module):
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         offset = kv_cache.offset if kv_cache is not None else 0
         if self.cp is not None:
-            return self._context_parallel(q, k, v, rotary, attention_mask, kv_cache)
+            return self._context_parallel(q, k, v, rotary, attention_mask, kv_cache, dropout_masks)
         if rotary is not None:
             q, k = rotary(q, offset), rotary(k, offset)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
@@ -167,9 +170,16 @@ class SelfAttention(torch.nn.Module):
         rotary: RotaryEmbedding | None,
         attention_mask: torch.Tensor | None,
         kv_cache: KVCache | None,
+        dropout_masks: LogicalDropout | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """forward's rest under context parallelism: q [s_local, b, heads, d] of this rank's
         chunks, rotated at their global positions, attending over the whole sequence.
+
+        Attention dropout applies the whole sequence's keep-mask [b, heads, S, S] at each
+        (query, key) pair's global positions (`context_parallel_attention`): the layout-
+        invariant one (`dropout_masks`, the one-rank run's mask) when the path is layout-
+        invariant, else one drawn from the tensor-parallel stream (not the one-rank run's). It
+        is drawn inside the core, so selective recomputation draws it again.
 
         attention_mask: None, or under --reset-attention-mask this rank's per-token document
         ids ([b, s_local] ints, data/context_parallel_split.py): attention stays within each
@@ -190,11 +200,7 @@ class SelfAttention(torch.nn.Module):
             q, k = rotary(q, positions=positions), rotary(k, positions=positions)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         core = partial(
-            context_parallel_attention,
-            group=self.cp,
-            comm_type=self.cp_comm_type,
-            scale=1.0 / math.sqrt(self.head_dim),
-            document_ids=attention_mask,
+            self._context_parallel_core, document_ids=attention_mask, dropout_masks=dropout_masks
         )
         if self.recompute_core and wanted(self):
             out = recompute(core, q, k, v, rng=self.rng)
@@ -202,6 +208,41 @@ class SelfAttention(torch.nn.Module):
             out = core(q, k, v)
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim)
         return self.linear_proj(out)
+
+    def _context_parallel_core(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        document_ids: torch.Tensor | None,
+        dropout_masks: LogicalDropout | None,
+    ) -> torch.Tensor:
+        """`context_parallel_attention` of q [b, heads, s_local, d], with attention dropout's
+        whole-sequence keep-mask when training with dropout (see `_context_parallel`)."""
+        dropout = self.dropout if self.training else 0.0
+        mask, stream = None, contextlib.nullcontext()
+        if dropout > 0:
+            seq_len = q.shape[2] * self.cp.size
+            shape = (q.shape[0], self.local_heads, seq_len, seq_len)
+            if self.path(q, None, dropout_masks is not None).dropout == LAYOUT_INVARIANT:
+                layer = self.layer_number
+                mask = dropout_masks.attention_keep_mask(shape, dropout, layer, q.device)
+            else:  # drawn by context_parallel_attention from the tensor-parallel stream
+                stream = self.rng.fork()
+        with stream:
+            return context_parallel_attention(
+                q,
+                k,
+                v,
+                self.cp,
+                comm_type=self.cp_comm_type,
+                scale=1.0 / math.sqrt(self.head_dim),
+                document_ids=document_ids,
+                dropout_p=dropout,
+                dropout_mask=mask,
+                emulate_nccl_order=self.cp_emulate_nccl_order,
+            )
 
     def path(
         self, q: torch.Tensor, attention_mask: torch.Tensor | None, sample_keyed: bool

@@ -21,11 +21,24 @@ the keys and values a rank's queries need (`comm_type`, Megatron's --cp-comm-typ
   ([b, heads/CP, S, d], chunks put back in global order), plain causal attention runs on whole
   sequences, and a second all-to-all turns it back; needs heads and query groups divisible by CP.
 
-`model/attention.py` runs it when the CP group has more than one rank; attention dropout is
-not supported yet (`dropout_p` must be 0).
+`model/attention.py` runs it when the CP group has more than one rank.
+
+Attention dropout (`dropout_p`, `dropout_mask`): every rank applies, to each (query, key) pair
+it computes, the entry of one logical keep-mask [b, heads, S, S] indexed by the tokens' global
+positions, so CP trains exactly as one rank does with the same mask (`model/dropout.py`'s
+layout-invariant masks). p2p applies it inside each ring block with flash attention's rule (the
+log-sum-exp is the undropped softmax's; only the numerator P * keep / (1 - p) is dropped, and
+the backward takes delta = rowsum(dO * O) of the dropped output), through the reference block
+math (the CPU flash kernels take no external mask); all_gather and a2a run an unfused fp32
+softmax -> mask -> matmul, the one-rank `explicit_attention`'s order of operations. Each rank
+keeps only its share of the mask for backward: its query rows ([b, heads, s_local, S] bool)
+for p2p and all_gather, its heads ([b, heads/CP, S, S]) for a2a.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -177,7 +190,36 @@ def _sdpa(q, k, v, scale: float, mask) -> torch.Tensor:
     )
 
 
-def _all_gather_attention(q, k, v, cp: CPGroup, layout: Layout, scale: float) -> torch.Tensor:
+def _unfused(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor | None,
+    keep: torch.Tensor,
+    dropout_p: float,
+) -> torch.Tensor:
+    """softmax(q k^T * scale, masked) in fp32, cast to q's dtype, times keep / (1 - dropout_p),
+    @ v: `model.attention.explicit_attention`'s order of operations with layout-invariant
+    dropout. mask: [B, 1, sq, sk] or [sq, sk] bool (True = may attend) or None; keep: [b,
+    heads, sq, sk] bool."""
+    heads, groups = q.shape[1], k.shape[1]
+    if heads != groups:
+        k = k.repeat_interleave(heads // groups, dim=1)
+        v = v.repeat_interleave(heads // groups, dim=1)
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask.to(scores.device), float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    probs = probs * keep.to(probs.dtype).mul_(1.0 / (1.0 - dropout_p))
+    return torch.matmul(probs, v)
+
+
+def _all_gather_attention(
+    q, k, v, cp: CPGroup, layout: Layout, scale: float, keep=None, dropout_p: float = 0.0
+) -> torch.Tensor:
+    """keep: the dropout mask of this rank's query rows [b, heads, s_local, S], its columns in
+    global key order (or None: no dropout)."""
     if cp.size > 1:
         k, v = _GatherSequence.apply(k, cp), _GatherSequence.apply(v, cp)
     k_pos = torch.cat(layout.positions)
@@ -193,11 +235,20 @@ def _all_gather_attention(q, k, v, cp: CPGroup, layout: Layout, scale: float) ->
             q_pos[qs], k_pos[:n], None if q_doc is None else q_doc[cp.rank][:, qs],
             None if k_doc is None else k_doc[:, :n],
         )  # fmt: skip
-        outs.append(_sdpa(q[:, :, qs], k[:, :, :n], v[:, :, :n], scale, mask))
+        piece = q[:, :, qs], k[:, :, :n], v[:, :, :n], scale
+        if keep is None:
+            outs.append(_sdpa(*piece, mask))
+        else:
+            bool_mask = None if mask is None else mask[:, :, 0]
+            outs.append(_unfused(*piece, bool_mask, keep[:, :, qs, :n], dropout_p))
     return torch.cat(outs, dim=2)
 
 
-def _a2a_attention(q, k, v, cp: CPGroup, layout: Layout, scale: float) -> torch.Tensor:
+def _a2a_attention(
+    q, k, v, cp: CPGroup, layout: Layout, scale: float, keep=None, dropout_p: float = 0.0
+) -> torch.Tensor:
+    """keep: the dropout mask of this rank's heads after the all-to-all [b, heads/CP, S, S],
+    rows and columns in global order (or None: no dropout)."""
     heads, groups = q.shape[1], k.shape[1]
     if heads % cp.size or groups % cp.size:
         raise ValueError(
@@ -212,7 +263,12 @@ def _a2a_attention(q, k, v, cp: CPGroup, layout: Layout, scale: float) -> torch.
     q, k, v = q[:, :, index], k[:, :, index], v[:, :, index]  # global order
     pos = pos[order]
     seq_len = len(pos)
-    if layout.documents is None and torch.equal(pos, torch.arange(seq_len)):
+    if keep is not None:
+        docs = None if layout.documents is None else torch.cat(layout.documents, 1)[:, order]
+        mask = pair_mask(pos, pos, docs, docs)
+        mask = None if mask is None else mask[:, :, 0]  # [B, 1, S, S]
+        out = _unfused(q, k, v, scale, mask, keep, dropout_p)
+    elif layout.documents is None and torch.equal(pos, torch.arange(seq_len)):
         out = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
         )
@@ -239,8 +295,11 @@ def context_parallel_attention(
     positions: torch.Tensor | None = None,
     document_ids: torch.Tensor | None = None,
     dropout_p: float = 0.0,
+    dropout_mask: torch.Tensor | None = None,
     overlap: bool = True,
     block_kernel: str = "auto",
+    emulate_nccl_order: bool = False,
+    timeout_s: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole (CP-split) sequence.
 
@@ -251,14 +310,23 @@ def context_parallel_attention(
     (megapipe `Group`, torch `ProcessGroup` or None). `overlap` (p2p only): post each ring
     transfer before computing with the block in hand (False: wait for it first).
     `block_kernel` (p2p only): "fused" runs each block through torch's CPU flash-attention
-    kernels, "reference" through plain matmuls and softmax, "auto" fused where available.
+    kernels, "reference" through plain matmuls and softmax, "auto" fused where available
+    (with dropout: reference).
+    `dropout_p` > 0: attention dropout with `dropout_mask`, the whole sequence's keep-mask
+    [b, heads, S, S] (bool, True = kept) of this rank's heads, indexed [query position, key
+    position] by global positions, the same on every CP rank (`LogicalDropout.
+    attention_keep_mask` of the whole sequence); each rank uses its pairs' entries. Without a
+    mask one is drawn here from the device's default generator (each rank its own: valid
+    dropout, but not the one-rank run's).
+    `emulate_nccl_order` (p2p on gloo, --emulate-nccl-p2p-order): the ring's transfers run in
+    NCCL's order, so a posting order that would hang on GPUs times out here too; `timeout_s`
+    (p2p): how long a ring transfer may take before ContextParallelCommError names the peer
+    (None: the process group's timeout).
     Returns [b, heads, s_local, d], differentiable w.r.t. q, k and v."""
     if comm_type not in COMM_TYPES:
         raise ValueError(f"unknown context-parallel comm_type {comm_type!r}; one of {COMM_TYPES}")
-    if dropout_p != 0.0:
-        raise NotImplementedError(
-            f"attention dropout ({dropout_p}) is not supported with context parallelism yet"
-        )
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     if q.dim() != 4 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2:] != q.shape[2:]:
         raise ValueError(
             f"expected q [b, heads, s, d] and k, v [b, groups, s, d]; got {tuple(q.shape)}, "
@@ -270,13 +338,68 @@ def context_parallel_attention(
         )
     if block_kernel not in ("auto", "fused", "reference"):
         raise ValueError(f"unknown block_kernel {block_kernel!r}; auto, fused or reference")
-    fused = block_kernel != "reference" and fused_blocks_available(q)
+    if block_kernel == "fused" and dropout_p > 0:
+        raise ValueError(
+            "block_kernel 'fused' with attention dropout: the CPU flash kernels take no "
+            "external dropout mask; use 'reference' or 'auto'"
+        )
+    fused = block_kernel != "reference" and fused_blocks_available(q) and dropout_p == 0
     if block_kernel == "fused" and not fused:
         raise ValueError(f"no fused attention blocks for {q.dtype} on {q.device.type}")
     cp = cp_group(group)
+    if emulate_nccl_order or timeout_s is not None:
+        timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
+        cp = replace(cp, emulate_nccl_order=emulate_nccl_order, timeout=timeout)
     layout = _layout(cp, q.shape[2], positions, document_ids)
+    keep = None
+    if dropout_p > 0:
+        keep = _local_keep(q, cp, layout, comm_type, dropout_p, dropout_mask)
     if comm_type == "p2p":
-        return RingAttention.apply(q, k, v, cp, layout, scale, overlap, fused)
+        return RingAttention.apply(q, k, v, cp, layout, scale, overlap, fused, keep, dropout_p)
     if comm_type == "all_gather":
-        return _all_gather_attention(q, k, v, cp, layout, scale)
-    return _a2a_attention(q, k, v, cp, layout, scale)
+        return _all_gather_attention(q, k, v, cp, layout, scale, keep, dropout_p)
+    return _a2a_attention(q, k, v, cp, layout, scale, keep, dropout_p)
+
+
+def _local_keep(
+    q: torch.Tensor,
+    cp: CPGroup,
+    layout: Layout,
+    comm_type: str,
+    dropout_p: float,
+    mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """This rank's share of the whole sequence's keep-mask [b, heads, S, S] (drawn when None),
+    in the order its comm type computes: p2p, this rank's query rows with the key columns in
+    rank order (each ring block a column slice); all_gather, the rows with the columns in
+    global order; a2a, this rank's heads after the all-to-all, rows and columns in global
+    order."""
+    b, heads, s_local, _ = q.shape
+    seq_len = s_local * cp.size
+    shape = (b, heads, seq_len, seq_len)
+    if mask is None:
+        mask = torch.rand(shape, device=q.device) >= dropout_p
+    if tuple(mask.shape) != shape or mask.dtype != torch.bool:
+        raise ValueError(
+            f"dropout_mask must be the whole sequence's bool keep-mask {list(shape)} [b, heads, "
+            f"S, S]; got {mask.dtype} {list(mask.shape)}"
+        )
+    mask = mask.to(q.device)
+    everyone = torch.cat(layout.positions)
+    if not torch.equal(torch.sort(everyone).values, torch.arange(seq_len)):
+        raise ValueError(
+            "attention dropout indexes its keep-mask by global position: the CP ranks' "
+            f"positions must be 0..{seq_len - 1}, each once"
+        )
+    if comm_type == "a2a":
+        per_rank = heads // cp.size
+        mask = mask[:, cp.rank * per_rank : (cp.rank + 1) * per_rank]
+        rows = cols = torch.sort(everyone).values
+    else:
+        rows = layout.positions[cp.rank]
+        cols = everyone if comm_type == "p2p" else torch.sort(everyone).values
+    if not torch.equal(rows, torch.arange(seq_len)):
+        mask = mask[:, :, rows.to(q.device)]
+    if not torch.equal(cols, torch.arange(seq_len)):
+        mask = mask[:, :, :, cols.to(q.device)]
+    return mask.contiguous()

@@ -3,7 +3,9 @@
 Each CP rank holds its queries and one K/V block; the K/V blocks travel round the CP ring
 (send to the next rank, receive from the previous one), so after CP steps every rank has seen
 every block. Each step's partial result is merged with the online-softmax rule (running
-log-sum-exp per row, fp32), so nothing [s, S] is ever materialised.
+log-sum-exp per row, fp32), so nothing [s, S] is ever materialised (except, with attention
+dropout, the keep-mask of this rank's query rows, [b, heads, s, S] bool, saved for backward;
+each block applies its slice to the numerator only, flash attention's rule).
 
 Backward is the mirror: K/V travel the ring again, each block's probabilities are recomputed
 from the saved final log-sum-exp, and each block's dK/dV accumulator travels with it, so after
@@ -18,10 +20,16 @@ rank does the same causal work.
 
 from __future__ import annotations
 
+import time
+import weakref
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from megapipe.errors import ContextParallelCommError
+from megapipe.parallel.emulated_stream import EmulatedStream, StreamBatch
 
 # a pair of sub-blocks that no query may see: skipped
 HIDDEN = "hidden"
@@ -30,12 +38,18 @@ HIDDEN = "hidden"
 @dataclass(frozen=True)
 class CPGroup:
     """The CP process group as this rank sees it: torch group (None for one rank), our index,
-    the group's size and its members' global ranks (what isend/irecv address)."""
+    the group's size and its members' global ranks (what isend/irecv address).
+
+    emulate_nccl_order (--emulate-nccl-p2p-order, gloo only): the ring's transfers run in
+    NCCL's order (`_Ring`); timeout: how long a ring transfer may take (None: the process
+    group's own timeout, --distributed-timeout-minutes)."""
 
     pg: dist.ProcessGroup | None
     rank: int
     size: int
     global_ranks: tuple[int, ...]
+    emulate_nccl_order: bool = False
+    timeout: timedelta | None = None
 
     @property
     def next(self) -> int:
@@ -96,18 +110,36 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, mask) -> torch.Tenso
     return s
 
 
+def _dropped(p: torch.Tensor, keep: torch.Tensor | None, dropout_p: float) -> torch.Tensor:
+    """Probabilities p [b, g, h/g, sq, sk] times the block's keep-mask keep [b, h, sq, sk]
+    (bool) scaled by 1 / (1 - dropout_p); p itself without a mask."""
+    if keep is None:
+        return p
+    b, g, hg, sq, sk = p.shape
+    return p * keep.reshape(b, g, hg, sq, sk).to(p.dtype).mul_(1.0 / (1.0 - dropout_p))
+
+
 def block_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    mask,
+    keep: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of q [b, h, sq, d] over one K/V block [b, g, sk, d]: the normalised
     output [b, h, sq, d] and each row's log-sum-exp [b, h, sq], both in fp32 (-inf and a zero
-    output for rows that see nothing of this block)."""
+    output for rows that see nothing of this block). keep ([b, h, sq, sk] bool): attention
+    dropout's mask of this block (flash attention's rule: the log-sum-exp is the undropped
+    softmax's, only the numerator P * keep / (1 - dropout_p) is dropped)."""
     s = _scores(q, k, scale, mask)
     m = s.amax(dim=-1, keepdim=True)
     m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
     p = torch.exp(s - m)
     total = p.sum(dim=-1, keepdim=True)
-    out = torch.matmul(p, v.unsqueeze(2).to(p.dtype)) / torch.where(total == 0, 1.0, total)
+    numerator = _dropped(p, keep, dropout_p)
+    out = torch.matmul(numerator, v.unsqueeze(2).to(p.dtype)) / torch.where(total == 0, 1.0, total)
     lse = (m + torch.log(total)).squeeze(-1)
     b, h, sq, d = q.shape
     return out.reshape(b, h, sq, d), lse.reshape(b, h, sq)
@@ -132,9 +164,13 @@ def block_backward(
     delta: torch.Tensor,
     scale: float,
     mask,
+    keep: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (fp32) of one block's share of the attention: the block's probabilities are
-    recomputed from the final log-sum-exp `lse` [b, h, sq]; `delta` = rowsum(dout * out)."""
+    recomputed from the final log-sum-exp `lse` [b, h, sq]; `delta` = rowsum(dout * out), of
+    the final (dropped-out) output. keep: the block's dropout mask, as in `block_forward`
+    (dV = (P * keep / (1 - p))^T dO, dP = (dO V^T) * keep / (1 - p))."""
     g = k.shape[1]
     s = _scores(q, k, scale, mask)
     lse = _grouped(lse.unsqueeze(-1), g)
@@ -143,8 +179,9 @@ def block_backward(
     b, _, hg, sq, sk = p.shape
     d = q.shape[-1]
     # dV: sum over the group's heads of P^T dO, as one matmul over (heads, rows)
-    dv = torch.matmul(p.reshape(b, g, hg * sq, sk).transpose(-1, -2), do.reshape(b, g, hg * sq, d))
-    dp = torch.matmul(do, v.unsqueeze(2).transpose(-1, -2).to(p.dtype))
+    dropped = _dropped(p, keep, dropout_p).reshape(b, g, hg * sq, sk)
+    dv = torch.matmul(dropped.transpose(-1, -2), do.reshape(b, g, hg * sq, d))
+    dp = _dropped(torch.matmul(do, v.unsqueeze(2).transpose(-1, -2).to(p.dtype)), keep, dropout_p)
     ds = p * (dp - _grouped(delta.unsqueeze(-1), g)) * scale
     dq = torch.matmul(ds, k.unsqueeze(2).to(ds.dtype)).reshape(q.shape)
     q_rows = _grouped(q, g).reshape(b, g, hg * sq, d).to(ds.dtype)
@@ -213,21 +250,138 @@ def fused_block_backward(q, k, v, dout, out, lse, scale: float, mask):
 # --------------------------------------------------------------------------------------------
 
 
-class _Transfer:
-    """Tensors sent to the next rank, and as many received from the previous one, in flight."""
+def _group_timeout(pg: dist.ProcessGroup | None) -> timedelta | None:
+    """The process group's own timeout (None when torch's internals do not say)."""
+    if pg is None:
+        return None
+    try:
+        device = torch.device("cuda" if dist.get_backend(pg) == "nccl" else "cpu")
+        return pg._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
 
-    def __init__(self, tensors: list[torch.Tensor], cp: CPGroup, tag: int) -> None:
+
+def _close_streams(streams: dict) -> None:
+    for stream in streams.values():
+        stream.close()
+    streams.clear()
+
+
+class _Ring:
+    """The ring transfers of one forward or backward pass.
+
+    Each transfer (a step's K/V, or a dK/dV accumulator) is posted as one batch
+    (`batch_isend_irecv`; on NCCL one group call): NCCL runs the point-to-point operations
+    between two ranks on one stream in posting order, so with CP=2 (next == previous rank) a
+    send posted on its own before the receive waits for the peer's receive, queued behind the
+    peer's own send: a deadlock on GPUs, which gloo forgives. With `cp.emulate_nccl_order` the
+    batches go through emulated NCCL streams (`parallel/emulated_stream.py`) keyed as torch's
+    NCCL backend picks communicators: a batch uses the group's communicator, an operation
+    posted on its own the communicator of its two ranks. Every transfer is waited for before
+    the pass returns, so the streams live for one pass; `close` ends their threads.
+    """
+
+    # Tests only: post each send and receive on its own (the posting before the batches),
+    # the order NCCL deadlocks on at CP=2 (tests/test_context_parallel_nccl_order.py).
+    grouped = True
+
+    def __init__(self, cp: CPGroup, phase: str) -> None:
+        self.cp, self.phase = cp, phase
+        self.host_waits = cp.pg is None or dist.get_backend(cp.pg) != "nccl"
+        self.timeout = cp.timeout or _group_timeout(cp.pg) or timedelta(minutes=30)
+        self._streams: dict[tuple[int, ...], EmulatedStream] = {}
+        weakref.finalize(self, _close_streams, self._streams)  # a pass that raised
+
+    def post(self, tensors: list[torch.Tensor], step: int, what: str, tag: int) -> _Transfer:
+        """Send `tensors` (`what`, e.g. "K/V") to the next rank, receive as many from the
+        previous one; in flight until the transfer's `wait`."""
+        return _Transfer(self, tensors, step, what, tag)
+
+    def submit(self, ops: list[dist.P2POp]) -> list[tuple[dist.P2POp, dist.Work | StreamBatch]]:
+        """Post `ops`; (operation, what to wait for) pairs, one per handle the transport gave
+        (a batch's handle is paired with its first receive, which its error then names)."""
+        receive = next(op for op in ops if op.op is dist.irecv)
+        if not self.grouped:
+            if self.cp.emulate_nccl_order:
+                return [(op, self._stream((op.peer,)).submit([op])) for op in ops]
+            return [(op, op.op(op.tensor, op.peer, op.group, op.tag)) for op in ops]
+        if self.cp.emulate_nccl_order:
+            return [(receive, self._stream(self.cp.global_ranks).submit(ops))]
+        works = dist.batch_isend_irecv(ops)
+        if len(works) == len(ops):
+            return list(zip(ops, works))
+        return [(receive, work) for work in works]  # a coalescing backend (NCCL)
+
+    def _stream(self, key: tuple[int, ...]) -> EmulatedStream:
+        stream = self._streams.get(key)
+        if stream is None:
+            stream = self._streams[key] = EmulatedStream(self.timeout)
+        return stream
+
+    def failure(
+        self, transfer: _Transfer, op: dist.P2POp, error: BaseException, whole_batch: bool
+    ) -> str:
+        """The message of a transfer that did not complete: the pass, step, operation and peer
+        (`whole_batch`: the operation stands for its batch, sends included)."""
+        cp = self.cp
+        if op.op is dist.irecv:
+            action = f"receive of {transfer.what} from {self._peer(cp.rank - 1)}"
+        else:
+            action = f"send of {transfer.what} to {self._peer(cp.rank + 1)}"
+        if whole_batch and cp.next != cp.prev:
+            action += f" (and its send to {self._peer(cp.rank + 1)})"
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        limit, waited = self.timeout.total_seconds(), time.monotonic() - transfer.posted_at
+        how = f"timed out after {limit:g} s" if waited >= 0.95 * limit else "failed"
+        return (
+            f"context-parallel ring (p2p) {self.phase} step {transfer.step}: {action} {how} "
+            f"(this is CP rank {cp.rank} of {cp.size}, global rank "
+            f"{cp.global_ranks[cp.rank]}): {first}"
+        )
+
+    def _peer(self, index: int) -> str:
+        index %= self.cp.size
+        return f"CP rank {index} (global rank {self.cp.global_ranks[index]})"
+
+    def close(self) -> None:
+        """End the emulated streams' threads (every transfer has been waited for)."""
+        _close_streams(self._streams)
+
+
+class _Transfer:
+    """Tensors sent to the next rank, and as many received from the previous one, posted as
+    one batch; in flight until `wait`, which raises ContextParallelCommError naming the peer."""
+
+    def __init__(
+        self, ring: _Ring, tensors: list[torch.Tensor], step: int, what: str, tag: int
+    ) -> None:
+        cp = ring.cp
+        self.ring, self.step, self.what = ring, step, what
+        self.posted_at = time.monotonic()
         self.sent = [t.contiguous() for t in tensors]
         self.received = [torch.empty_like(t) for t in self.sent]
-        self.works, self.done = [], False
+        ops = []
         for i, (out, into) in enumerate(zip(self.sent, self.received)):
-            self.works.append(dist.isend(out, cp.next, group=cp.pg, tag=tag + i))
-            self.works.append(dist.irecv(into, cp.prev, group=cp.pg, tag=tag + i))
+            ops.append(dist.P2POp(dist.isend, out, cp.next, cp.pg, tag + i))
+            ops.append(dist.P2POp(dist.irecv, into, cp.prev, cp.pg, tag + i))
+        try:  # gloo may fail at once (a peer already gone)
+            self.posted = ring.submit(ops)
+        except RuntimeError as error:
+            raise ContextParallelCommError(ring.failure(self, ops[1], error, True)) from error
+        self.done = False
 
     def wait(self) -> list[torch.Tensor]:
         if not self.done:
-            for work in self.works:
-                work.wait()
+            ring = self.ring
+            for op, work in self.posted:
+                try:
+                    if ring.host_waits:
+                        work.wait(ring.timeout)
+                    else:  # NCCL: the compute stream waits; the watchdog bounds a hang
+                        work.wait()
+                except RuntimeError as error:
+                    whole = len(self.posted) < 2 * len(self.sent)  # one handle per batch
+                    raise ContextParallelCommError(ring.failure(self, op, error, whole)) from error
             self.done = True
         return self.received
 
@@ -260,10 +414,18 @@ class Layout:
 class RingAttention(torch.autograd.Function):
     """p2p context-parallel attention; see the module docstring. `overlap=False` waits for each
     transfer before computing (the benchmark's baseline); `fused`: the blocks run through the
-    CPU flash kernels (`fused_blocks_available`), else through the reference math."""
+    CPU flash kernels (`fused_blocks_available`), else through the reference math. `keep`
+    ([b, h, s_local, S] bool, or None): attention dropout's keep-mask of this rank's query rows,
+    its key columns in rank order (rank 0's tokens, then rank 1's, ...), so the block from rank
+    `src` is the column slice [src * s_local, (src + 1) * s_local); with it the blocks run the
+    reference math (the flash kernels take no mask) with `dropout_p`."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cp: CPGroup, layout: Layout, scale: float, overlap: bool, fused):
+    def forward(
+        ctx, q, k, v, cp: CPGroup, layout: Layout, scale: float, overlap: bool, fused,
+        keep=None, dropout_p: float = 0.0,
+    ):  # fmt: skip
+        fused = fused and keep is None
         acc = torch.promote_types(q.dtype, torch.float32)
         # laid out as [s, b, heads, d] in memory, as SDPA's output is for q of that layout:
         # the projection's [s, b, heads * d] input is then a view of it, not a copy
@@ -271,37 +433,45 @@ class RingAttention(torch.autograd.Function):
         out = torch.zeros((s, b, heads, d), dtype=acc, device=q.device).permute(1, 2, 0, 3)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
         kv, src, n = [k, v], cp.rank, q.shape[2]
+        ring = _Ring(cp, "forward")
         for step in range(cp.size):
             pending = None
             if step < cp.size - 1:
-                pending = _Transfer(kv, cp, tag=0)
+                pending = ring.post(kv, step, "K/V", tag=0)
                 if not overlap:
                     pending.wait()
             for qs, ks, mask in layout.pairs(cp.rank, src, n):
-                part, part_lse = (fused_block_forward if fused else block_forward)(
-                    q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], scale, mask
-                )
+                blocks = q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], scale, mask
+                if keep is not None:
+                    part, part_lse = block_forward(
+                        *blocks, _block_keep(keep, src, n, qs, ks), dropout_p
+                    )
+                else:
+                    part, part_lse = (fused_block_forward if fused else block_forward)(*blocks)
                 merge_into(out[:, :, qs], lse[:, :, qs], part, part_lse)
             if pending is not None:
                 kv, src = pending.wait(), (src - 1) % cp.size
+        ring.close()
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, keep)
         ctx.cp, ctx.layout, ctx.scale, ctx.overlap, ctx.fused = cp, layout, scale, overlap, fused
+        ctx.dropout_p = dropout_p
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, keep = ctx.saved_tensors
         cp, layout, scale, n = ctx.cp, ctx.layout, ctx.scale, q.shape[2]
         acc = lse.dtype
         dout = dout.contiguous()
         delta = None if ctx.fused else (dout.to(acc) * out.to(acc)).sum(-1)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         kv, src, grads, home = [k, v], cp.rank, None, None
+        ring = _Ring(cp, "backward")
         for step in range(cp.size):
             pending = None
             if step < cp.size - 1:
-                pending = _Transfer(kv, cp, tag=0)
+                pending = ring.post(kv, step, "K/V", tag=0)
                 if not ctx.overlap:
                     pending.wait()
             dk = torch.zeros(kv[0].shape, dtype=acc, device=q.device)
@@ -314,8 +484,9 @@ class RingAttention(torch.autograd.Function):
                     )
                 else:
                     bq, bk, bv = block_backward(
-                        *blocks, lse[:, :, qs], delta[:, :, qs], scale, mask
-                    )
+                        *blocks, lse[:, :, qs], delta[:, :, qs], scale, mask,
+                        _block_keep(keep, src, n, qs, ks), ctx.dropout_p,
+                    )  # fmt: skip
                 dq[:, :, qs] += bq
                 dk[:, :, ks] += bk
                 dv[:, :, ks] += bv
@@ -326,10 +497,19 @@ class RingAttention(torch.autograd.Function):
             if cp.size == 1:
                 home = dk, dv
             else:  # the accumulator travels with its block: on to the next rank (last hop: home)
-                grads = _Transfer([dk, dv], cp, tag=2)
+                grads = ring.post([dk, dv], step, "dK/dV", tag=2)
                 if not ctx.overlap:
                     grads.wait()
             if pending is not None:
                 kv, src = pending.wait(), (src - 1) % cp.size
         dk, dv = home if grads is None else grads.wait()
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        ring.close()
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *([None] * 7)
+
+
+def _block_keep(keep: torch.Tensor | None, src: int, n: int, qs: slice, ks: slice):
+    """The dropout keep-mask of one pair of sub-blocks: rows `qs` of this rank's queries,
+    columns `ks` of the block rank `src` holds (`RingAttention`'s `keep`), or None."""
+    if keep is None:
+        return None
+    return keep[:, :, qs, src * n + ks.start : src * n + ks.stop]

@@ -100,6 +100,7 @@ class TransformerLayer(torch.nn.Module):
             dropout_rng=kernels.attention_dropout_rng,
             cp=cp,
             cp_comm_type=kernels.cp_comm_type,
+            cp_emulate_nccl_order=kernels.emulate_nccl_p2p_order,
         )
         self.pre_mlp_layernorm = build_norm(
             config.normalization, config.hidden_size, eps, sp, norm_kernel

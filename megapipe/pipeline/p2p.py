@@ -16,7 +16,8 @@ posted transfer is waited for depends on the transport:
   does not; here each link gets a worker thread that posts its batches one after the other,
   each once the one before it has completed, as the NCCL stream would. The host waits only
   for a compute's input and at the end of the step, as on the GPU. A schedule that would hang
-  on NCCL hangs here too (and times out naming the peer), where plain gloo would pass.
+  on NCCL hangs here too (and times out naming the peer), where plain gloo would pass
+  (`parallel/emulated_stream.py`, shared with the context-parallel ring).
 
 Shapes are known from the config, so there is no per-micro-batch shape handshake. A receive
 that does not complete within the timeout raises an error naming the peer, instead of leaving
@@ -26,10 +27,8 @@ posted: the transport holds its storage until the transfer is done.
 
 from __future__ import annotations
 
-import queue
-import threading
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -37,6 +36,7 @@ import torch.distributed as dist
 
 from megapipe.activity import Activity
 from megapipe.errors import ConfigError, PipelineCommError
+from megapipe.parallel.emulated_stream import EmulatedStream, StreamBatch
 from megapipe.parallel.state import Group, ParallelState, PipelineLink
 from megapipe.pipeline.schedules import P2P, p2p_link
 
@@ -47,59 +47,12 @@ class Posted:
     work that already finished would time out)."""
 
     op: P2P
-    work: dist.Work | _StreamBatch
+    work: dist.Work | StreamBatch
     waited: bool = False
 
 
-@dataclass
-class _StreamBatch:
-    """One link's share of a batch in the emulated NCCL stream: done when all its transfers are."""
-
-    ops: list[dist.P2POp]
-    done: threading.Event = field(default_factory=threading.Event)
-    error: BaseException | None = None
-
-    def wait(self, timeout: timedelta) -> None:
-        if not self.done.wait(timeout.total_seconds()):
-            raise RuntimeError("the emulated NCCL stream did not reach or finish this transfer")
-        if self.error is not None:
-            raise RuntimeError(str(self.error)) from self.error
-
-
-class _EmulatedStream:
-    """NCCL's rule for one process group, on gloo: batches run one at a time, in posting order.
-
-    A daemon thread posts each batch once the one before it has completed, and waits for it;
-    after a failure (a timeout) every later batch fails too, as a broken NCCL communicator would.
-    """
-
-    def __init__(self, timeout: timedelta) -> None:
-        self.timeout = timeout
-        self._queue: queue.SimpleQueue[_StreamBatch] = queue.SimpleQueue()
-        self._failed: BaseException | None = None
-        threading.Thread(target=self._run, daemon=True, name="emulated-nccl-stream").start()
-
-    def submit(self, ops: list[dist.P2POp]) -> _StreamBatch:
-        batch = _StreamBatch(ops)
-        self._queue.put(batch)
-        return batch
-
-    def _run(self) -> None:
-        while True:
-            batch = self._queue.get()
-            try:
-                if self._failed is not None:
-                    raise RuntimeError(f"an earlier transfer on this stream failed: {self._failed}")
-                for work in dist.batch_isend_irecv(batch.ops):
-                    work.wait(self.timeout)
-                batch.ops = []  # let go of the tensors, as NCCL does once a transfer is done
-            except BaseException as error:  # reported to whoever waits for this batch
-                batch.error = self._failed = self._failed or error
-            batch.done.set()
-
-
-def _succeeded(work: dist.Work | _StreamBatch) -> bool:
-    return isinstance(work, _StreamBatch) and work.done.is_set() and work.error is None
+def _succeeded(work: dist.Work | StreamBatch) -> bool:
+    return isinstance(work, StreamBatch) and work.succeeded
 
 
 def waits_block_host(pg: dist.ProcessGroup | None) -> bool:
@@ -123,7 +76,7 @@ class P2PCommunicator:
         self.links: Mapping[PipelineLink, Group] = state.pp_links
         self.timeout = timedelta(seconds=timeout_s)
         self.emulate_nccl_order = emulate_nccl_order
-        self._streams: dict[Group, _EmulatedStream] = {}  # one per process group, as NCCL's
+        self._streams: dict[Group, EmulatedStream] = {}  # one per process group, as NCCL's
         any_pg = next((g.pg for g in self.links.values()), None)
         self._host_waits = waits_block_host(any_pg)
         if emulate_nccl_order and not self._host_waits:
@@ -186,7 +139,7 @@ class P2PCommunicator:
             if self.emulate_nccl_order:
                 stream = self._streams.get(group)
                 if stream is None:
-                    stream = self._streams[group] = _EmulatedStream(self.timeout)
+                    stream = self._streams[group] = EmulatedStream(self.timeout)
                 works: list = [stream.submit(p2p_ops)] * len(ops)
             else:
                 works = dist.batch_isend_irecv(p2p_ops)
