@@ -1,8 +1,9 @@
 """The layout planner (tools/plan.py) against measurements and published figures.
 
 1. --cpu: measured CPU runs of a small GPT (pretrain_gpt.py, gloo, one thread per rank) at
-   1 rank, TP2, PP2, DP2 and DP2 under ZeRO-3 (--use-torch-fsdp2: each layer's parameters
-   all-gathered twice and its gradients reduce-scattered every micro-batch), two alternating
+   1 rank, TP2, PP2, DP2, DP2 under ZeRO-3 (--use-torch-fsdp2: each layer's parameters
+   all-gathered twice and its gradients reduce-scattered every micro-batch) and CP2 (the
+   p2p ring over half of each sequence, gradients all-reduced over CP), two alternating
    rounds each. A CPU cluster preset is measured
    first: the peak FLOP/s of a 1024^3 fp32 matmul on one thread, the bandwidth of a 16 MiB
    gloo all-reduce between two forked ranks and the fixed cost of a collective inside a step
@@ -174,6 +175,8 @@ CPU_LAYOUTS = {  # name: (ranks, flags, Layout)
     "DP2": (2, [], Layout(1, 1, 2, micro_batch=MICRO_BATCH)),
     "ZeRO-3": (2, ["--use-torch-fsdp2"],  # DP2 on FSDP2: gathers twice and reduce-scatters
                Layout(1, 1, 2, micro_batch=MICRO_BATCH, sharding="optim_grads_params")),
+    "CP2": (2, ["--context-parallel-size", "2"],  # the ring at S / 2, gradients over CP
+            Layout(1, 1, 1, micro_batch=MICRO_BATCH, cp=2)),
 }  # fmt: skip
 
 
@@ -277,7 +280,7 @@ def cpu_validation() -> dict:
         step = min(measured["step_ms"])  # the least disturbed iteration on a shared machine
         rss = measured["peak_rss_mib"] - baseline
         entry = {
-            "layout": name, "ranks": layout.tp * layout.pp * layout.dp,
+            "layout": name, "ranks": layout.world_size,
             "measured_step_ms": step, "estimated_step_ms": estimate.total * 1e3,
             "step_error": estimate.total * 1e3 / step - 1,
             "estimate_terms_ms": {k: v * 1e3 for k, v in estimate.terms().items()},

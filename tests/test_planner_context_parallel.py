@@ -82,9 +82,15 @@ def test_compute_activations_and_gradients_shared_over_cp() -> None:
     assert t2.world_size == 2 and t2.flops == t1.flops
     params = layout_memory(MODEL, one, 4).parameters
     assert t2.dp_comm == pytest.approx(2 * 1 / 2 * params * 4 / 100e9 + ALPHA)  # over CP
-    m1, m2 = layout_memory(MODEL, one, 4), layout_memory(MODEL, cp2, 4)
+    no_dropout = dataclasses.replace(MODEL, attention_dropout=0.0)
+    m1, m2 = layout_memory(no_dropout, one, 4), layout_memory(no_dropout, cp2, 4)
     assert m2.activations < 0.55 * m1.activations  # S / CP tokens (+ rope-free extras)
     assert m2.params == m1.params and m2.grads == m1.grads
+    # GPUs drop inside the attention kernel at one rank (no mask kept); under CP every rank
+    # keeps its rows of the layout-invariant keep-mask, a bool [b, a, S/CP, S] per layer
+    dropout = layout_memory(MODEL, cp2, 4)
+    assert dropout.activations - m2.activations == L * A * (S // 2) * S
+    assert layout_memory(MODEL, one, 4).activations == m1.activations
     zero1_cp2 = layout_memory(MODEL, dataclasses.replace(cp2, sharding="optim"), 4)
     zero1_dp2 = layout_memory(MODEL, Layout(tp=1, pp=1, dp=2, sharding="optim"), 4)
     assert zero1_cp2.optimizer == pytest.approx(zero1_dp2.optimizer)  # sharded over DP x CP
@@ -116,8 +122,11 @@ def test_sequences_that_do_not_split_are_rejected_with_the_reason() -> None:
 def test_long_sequences_search_cp_by_default_and_pick_it() -> None:
     assert default_context_parallel(2048) == (1,)
     assert default_context_parallel(32768) == (1, 2, 4, 8)
+    # long-context runs turn attention dropout off: under CP its layout-invariant masks keep a
+    # bool [b, a, S/CP, S] per layer, which would rule CP out here
     long = dataclasses.replace(MODEL, seq_length=65536, num_layers=8, hidden_size=1024,
-                               num_attention_heads=8, num_query_groups=8)  # fmt: skip
+                               num_attention_heads=8, num_query_groups=8,
+                               attention_dropout=0.0)  # fmt: skip
     small_gpus = dataclasses.replace(NODE, memory_bytes=16 * GIB)
     options = PlanOptions(micro_batches=(1,), sharding=("no_shard", "optim"))
     searched = plan(long, small_gpus, 2, options)

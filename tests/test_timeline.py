@@ -24,7 +24,7 @@ from megapipe.pipeline.timeline import (
     simulated_timeline,
     trace_steps,
 )
-from megapipe.testing import run_distributed
+from megapipe.testing import run_distributed, train_with_flags
 from megapipe.training import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -197,3 +197,17 @@ def test_the_picture_is_in_the_format_its_suffix_names(name, magic, tmp_path) ->
         == 0
     )
     assert (tmp_path / name).read_bytes().startswith(magic)
+
+
+def test_a_context_parallel_trace_names_each_computes_cp_peers(tmp_path: Path) -> None:
+    """CP2 x PP2 (rank order tp-cp-dp-pp): global rank 0's pipeline is ranks 0 and 2; each
+    compute event carries its rank's CP group (0 with 1, 2 with 3), the metadata the CP size."""
+    path = tmp_path / "cp_trace.json"
+    argv = TRACED + ["--context-parallel-size", "2", "--emulate-nccl-p2p-order",
+                     "--attention-dropout", "0", "--pipeline-trace", str(path)]  # fmt: skip
+    run_distributed(train_with_flags, 4, argv, timeout=120)
+    document = json.loads(path.read_text())
+    computes = [e for e in document["traceEvents"] if e["ph"] == "X" and e["cat"] != "comm"]
+    peers = {e["tid"]: (e["args"]["global_rank"], e["args"]["cp_ranks"]) for e in computes}
+    assert peers == {0: (0, [0, 1]), 1: (2, [2, 3])}
+    assert document["otherData"]["context_parallel_size"] == 2

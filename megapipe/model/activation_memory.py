@@ -45,15 +45,21 @@ above is taken at S / CP (that is the point of CP: activations divide by CP), an
                               K/V blocks in flight are freed as the ring moves on); rope's
                               cos and sin are indexed at the rank's positions per call: 4 s r
                               x 4 bytes
-    all_gather                + 2 S b g d / t   (every rank's keys and values, gathered)
-                              + sbad / t        (the output twice: per half, and joined)
-                              + 4 (2 CP + 1) s^2 / 4 bytes (the two halves' fp32 masks over
-                                                their key prefixes) + 8 S bytes (positions);
-                                                the local q, not the whole QKV output, is kept
-                                                where it is a copy (GQA, rope)
+    all_gather                + 2 S b g d / t   (every rank's keys and values, gathered; the
+                                                local q, not the whole QKV output, is kept
+                                                where it is a copy: GQA, rope)
     a2a (Ulysses)             + sbad / t        (the output twice: head-split, and back)
                               + 16 S bytes      (two int64 orderings); the all-to-all's q, k,
                                                 v replace the QKV output (the same bytes)
+    attention dropout         CP always applies the layout-invariant masks, cut to the rank's
+                              share (even where --attention-dropout-rng fused would leave a
+                              one-rank run's dropout to the kernel):
+                              p2p, all_gather: + b a s S / t bytes (the bool keep-mask of the
+                                                rank's query rows)
+                              a2a: the unfused attention over the rank's a / CP heads:
+                                                b a s S / t x (4 bytes + 2 elements) + S^2
+                                                bytes (the causal mask), no LSE, the output
+                                                once, and with GQA K and V repeated to a heads
     selective core_attn       q, k, v and the projection's input (as without CP)
 
 Selective recomputation of core_attn keeps q, k, v (the recomputation's input) and the
@@ -115,9 +121,19 @@ def layer_activation_bytes(
     norm_stats = 2 if config.normalization == "LayerNorm" else 1
     norm = local_s * b * h * dtype_bytes + norm_stats * local_s * b * 4  # input + fp32 stats
     column_input = s * b * h // (tp if sp else 1) * dtype_bytes
-    qkv_out = _attention_inputs_and_output(config, b, tp, dtype_bytes, cp, cp_comm_type)
+    dropout = config.attention_dropout > 0
+    unfused_a2a = dropout and cp > 1 and cp_comm_type == "a2a"
+    qkv_out = _attention_inputs_and_output(
+        config, b, tp, dtype_bytes, cp, cp_comm_type, unfused=unfused_a2a
+    )
     core = a * s * b // tp * 4  # SDPA's (or the ring's) log-sum-exp
-    if config.attention_dropout > 0 and not attention_dropout_fused:  # sample-keyed masks
+    full = config.seq_length
+    if dropout and cp > 1:  # CP always applies explicit masks (the rank's share of them)
+        if unfused_a2a:  # probabilities, the scaled keep-mask, the dropped ones; causal mask
+            core = a // tp * s * full * b * (4 + 2 * dtype_bytes) + full * full
+        else:  # the ring's (and gathered blocks') bool keep-mask of this rank's query rows
+            core += a // tp * s * full * b
+    elif dropout and not attention_dropout_fused:  # sample-keyed masks
         core = a * s * s * b // tp * (4 + 2 * dtype_bytes) + s * s
     if recompute.selective("core_attn"):
         core = 0
@@ -132,7 +148,14 @@ def layer_activation_bytes(
 
 
 def _attention_inputs_and_output(
-    config: ModelConfig, b: int, tp: int, dtype_bytes: int, cp: int, comm_type: str
+    config: ModelConfig,
+    b: int,
+    tp: int,
+    dtype_bytes: int,
+    cp: int,
+    comm_type: str,
+    *,
+    unfused: bool = False,
 ) -> int:
     """Bytes of what the core attention keeps of q, k, v and its output (the projection's
     input), on one rank holding s = S / cp tokens: the module docstring's q, k, v and output
@@ -142,7 +165,7 @@ def _attention_inputs_and_output(
     a, g, d = config.num_attention_heads, config.num_query_groups, config.head_dim
     unit = s * b * d // tp * dtype_bytes  # one head's worth over this rank's tokens
     qkv = (a + 2 * g) * unit  # the fused QKV output (q, k, v are views of it)
-    q_copy = a * unit if 1 < g < a else 0  # GQA: q is copied out of the grouped layout
+    q_copy = a * unit if g // tp > 1 and g < a else 0  # GQA: q copied out of the groups
     rope = config.position_embedding_type == "rope" and not config.qk_layernorm
     rotated = (a + g) * unit if rope else 0  # rope's rotated q and k
     tables = 0
@@ -157,21 +180,18 @@ def _attention_inputs_and_output(
         return kept + (a * unit if comm_type == "recompute" else out)
     gathered = 2 * g * full * b * d // tp * dtype_bytes  # every rank's keys and values
     if comm_type == "all_gather":
-        # the local queries (a view of the QKV output, or a copy) and the gathered K and V;
-        # the output twice (SDPA's per half, and their concatenation); the global positions
-        # and the two halves' additive fp32 masks ([s/2, key prefix] each, the prefixes
-        # summing to (2 cp + 1) s / 2 keys)
+        # the local queries (a view of the QKV output, or a copy) and the gathered K and V
         if rope:
             queries = a * unit
         else:
             queries = qkv if g == a else q_copy or qkv
-        half = s // 2
-        masks = half * (2 * cp + 1) * half * 4
-        return queries + gathered + 2 * out + tables + 8 * full + masks
+        return queries + gathered + out + tables
     if comm_type == "a2a":
         # q, k and v after the all-to-all (new tensors, the same bytes as this rank's share),
         # the output twice (in head-split form and after the all-to-all back) and the two
         # int64 orderings of the sequence
+        if unfused:  # dropout: K and V repeated to every head (GQA); one output kept
+            return (3 * a if g < a else a + 2 * g) * unit + out + tables + 2 * 8 * full
         return (a + 2 * g) * unit + 2 * out + tables + 2 * 8 * full
     raise ValueError(f"unknown context-parallel comm type {comm_type!r}")
 

@@ -16,7 +16,8 @@ the keys and values a rank's queries need (`comm_type`, Megatron's --cp-comm-typ
   each block runs through torch's CPU flash-attention kernels where available, else (and as
   the tested reference) through plain matmuls and an fp32 softmax;
 - "all_gather": K/V gathered from every rank once (backward: dK/dV reduce-scattered), then the
-  local queries attend to the keys up to their own last position;
+  local queries attend to each rank's block through the ring's block math, without transfers
+  (`GatheredBlocksAttention`; invisible pairs skipped, nothing [s, S] built);
 - "a2a" (DeepSpeed Ulysses): an all-to-all turns the sequence split into a head split
   ([b, heads/CP, S, d], chunks put back in global order), plain causal attention runs on whole
   sequences, and a second all-to-all turns it back; needs heads and query groups divisible by CP.
@@ -26,10 +27,10 @@ the keys and values a rank's queries need (`comm_type`, Megatron's --cp-comm-typ
 Attention dropout (`dropout_p`, `dropout_mask`): every rank applies, to each (query, key) pair
 it computes, the entry of one logical keep-mask [b, heads, S, S] indexed by the tokens' global
 positions, so CP trains exactly as one rank does with the same mask (`model/dropout.py`'s
-layout-invariant masks). p2p applies it inside each ring block with flash attention's rule (the
-log-sum-exp is the undropped softmax's; only the numerator P * keep / (1 - p) is dropped, and
-the backward takes delta = rowsum(dO * O) of the dropped output), through the reference block
-math (the CPU flash kernels take no external mask); all_gather and a2a run an unfused fp32
+layout-invariant masks). p2p and all_gather apply it inside each block with flash attention's
+rule (the log-sum-exp is the undropped softmax's; only the numerator P * keep / (1 - p) is
+dropped, and the backward takes delta = rowsum(dO * O) of the dropped output), through the
+reference block math (the CPU flash kernels take no external mask); a2a runs an unfused fp32
 softmax -> mask -> matmul, the one-rank `explicit_attention`'s order of operations. Each rank
 keeps only its share of the mask for backward: its query rows ([b, heads, s_local, S] bool)
 for p2p and all_gather, its heads ([b, heads/CP, S, S]) for a2a.
@@ -47,10 +48,10 @@ import torch.nn.functional as F
 from megapipe.data.context_parallel_split import chunk_positions
 from megapipe.model.context_parallel_ring import (
     CPGroup,
+    GatheredBlocksAttention,
     Layout,
     RingAttention,
     fused_blocks_available,
-    halves,
     pair_mask,
 )
 from megapipe.parallel.mappings import all_gather_single, reduce_scatter_single
@@ -216,32 +217,16 @@ def _unfused(
 
 
 def _all_gather_attention(
-    q, k, v, cp: CPGroup, layout: Layout, scale: float, keep=None, dropout_p: float = 0.0
-) -> torch.Tensor:
-    """keep: the dropout mask of this rank's query rows [b, heads, s_local, S], its columns in
-    global key order (or None: no dropout)."""
+    q, k, v, cp: CPGroup, layout: Layout, scale: float, fused: bool, keep=None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:  # fmt: skip
+    """K and V gathered from every rank once (backward: their gradients reduce-scattered), then
+    this rank's queries attend over them block by block (`GatheredBlocksAttention`: the ring's
+    block math, no [s, S] mask). keep: as for p2p, this rank's query rows with the key columns
+    in rank order (or None: no dropout)."""
     if cp.size > 1:
         k, v = _GatherSequence.apply(k, cp), _GatherSequence.apply(v, cp)
-    k_pos = torch.cat(layout.positions)
-    order = torch.argsort(k_pos)
-    k_pos, k, v = k_pos[order], k[:, :, order.to(k.device)], v[:, :, order.to(v.device)]
-    k_doc = None if layout.documents is None else torch.cat(layout.documents, 1)[:, order]
-    q_pos, q_doc = layout.positions[cp.rank], layout.documents
-    outs = []
-    for qs in halves(q.shape[2]):
-        # the keys up to this piece's last query: a prefix in global order
-        n = int(torch.searchsorted(k_pos, q_pos[qs].max(), right=True))
-        mask = pair_mask(
-            q_pos[qs], k_pos[:n], None if q_doc is None else q_doc[cp.rank][:, qs],
-            None if k_doc is None else k_doc[:, :n],
-        )  # fmt: skip
-        piece = q[:, :, qs], k[:, :, :n], v[:, :, :n], scale
-        if keep is None:
-            outs.append(_sdpa(*piece, mask))
-        else:
-            bool_mask = None if mask is None else mask[:, :, 0]
-            outs.append(_unfused(*piece, bool_mask, keep[:, :, qs, :n], dropout_p))
-    return torch.cat(outs, dim=2)
+    return GatheredBlocksAttention.apply(q, k, v, cp, layout, scale, fused, keep, dropout_p)
 
 
 def _a2a_attention(
@@ -357,7 +342,7 @@ def context_parallel_attention(
     if comm_type == "p2p":
         return RingAttention.apply(q, k, v, cp, layout, scale, overlap, fused, keep, dropout_p)
     if comm_type == "all_gather":
-        return _all_gather_attention(q, k, v, cp, layout, scale, keep, dropout_p)
+        return _all_gather_attention(q, k, v, cp, layout, scale, fused, keep, dropout_p)
     return _a2a_attention(q, k, v, cp, layout, scale, keep, dropout_p)
 
 
@@ -370,10 +355,9 @@ def _local_keep(
     mask: torch.Tensor | None,
 ) -> torch.Tensor:
     """This rank's share of the whole sequence's keep-mask [b, heads, S, S] (drawn when None),
-    in the order its comm type computes: p2p, this rank's query rows with the key columns in
-    rank order (each ring block a column slice); all_gather, the rows with the columns in
-    global order; a2a, this rank's heads after the all-to-all, rows and columns in global
-    order."""
+    in the order its comm type computes: p2p and all_gather, this rank's query rows with the
+    key columns in rank order (each rank's block a column slice); a2a, this rank's heads after
+    the all-to-all, rows and columns in global order."""
     b, heads, s_local, _ = q.shape
     seq_len = s_local * cp.size
     shape = (b, heads, seq_len, seq_len)
@@ -397,7 +381,7 @@ def _local_keep(
         rows = cols = torch.sort(everyone).values
     else:
         rows = layout.positions[cp.rank]
-        cols = everyone if comm_type == "p2p" else torch.sort(everyone).values
+        cols = everyone
     if not torch.equal(rows, torch.arange(seq_len)):
         mask = mask[:, :, rows.to(q.device)]
     if not torch.equal(cols, torch.arange(seq_len)):

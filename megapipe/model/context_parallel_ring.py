@@ -411,6 +411,66 @@ class Layout:
         return out
 
 
+def _output_buffers(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 (or wider) output accumulator, laid out as [s, b, heads, d] in memory as SDPA's
+    output is for q of that layout (so the projection's [s, b, heads * d] input is a view of
+    it, not a copy), and the running log-sum-exp, -inf until a block is merged."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    b, heads, s, d = q.shape
+    out = torch.zeros((s, b, heads, d), dtype=acc, device=q.device).permute(1, 2, 0, 3)
+    return out, torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+
+
+def _forward_block(
+    q, kv: list[torch.Tensor], src: int, rank: int, layout: Layout, scale: float, fused: bool,
+    keep, dropout_p: float, out: torch.Tensor, lse: torch.Tensor,
+) -> None:  # fmt: skip
+    """Merge into `out` and `lse` this rank's queries' attention over the K/V block that CP
+    rank `src` holds (`kv`: its keys and values)."""
+    n = q.shape[2]
+    for qs, ks, mask in layout.pairs(rank, src, n):
+        blocks = q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], scale, mask
+        if keep is not None:
+            part, part_lse = block_forward(*blocks, _block_keep(keep, src, n, qs, ks), dropout_p)
+        else:
+            part, part_lse = (fused_block_forward if fused else block_forward)(*blocks)
+        merge_into(out[:, :, qs], lse[:, :, qs], part, part_lse)
+
+
+def _backward_block(ctx, q, kv: list[torch.Tensor], src: int, dout, out, lse, delta, dq):
+    """Add into dq this block's share of the queries' gradient; return the block's (dK, dV)
+    from this rank's queries. `ctx`: the forward's layout, scale, fused, keep, dropout_p."""
+    n, acc = q.shape[2], lse.dtype
+    dk = torch.zeros(kv[0].shape, dtype=acc, device=q.device)
+    dv = torch.zeros(kv[1].shape, dtype=acc, device=q.device)
+    for qs, ks, mask in ctx.layout.pairs(ctx.cp.rank, src, n):
+        blocks = q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], dout[:, :, qs]
+        if ctx.fused:
+            bq, bk, bv = fused_block_backward(
+                *blocks, out[:, :, qs], lse[:, :, qs], ctx.scale, mask
+            )
+        else:
+            bq, bk, bv = block_backward(
+                *blocks, lse[:, :, qs], delta[:, :, qs], ctx.scale, mask,
+                _block_keep(ctx.keep, src, n, qs, ks), ctx.dropout_p,
+            )  # fmt: skip
+        dq[:, :, qs] += bq
+        dk[:, :, ks] += bk
+        dv[:, :, ks] += bv
+    return dk, dv
+
+
+def _backward_start(ctx, dout):
+    """What every backward begins with: the saved tensors, a contiguous dout, the reference
+    math's rowsum(dO * O) and the fp32 dq accumulator."""
+    q, k, v, out, lse, keep = ctx.saved_tensors
+    ctx.keep = keep
+    dout = dout.contiguous()
+    delta = None if ctx.fused else (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
+    dq = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
+    return q, k, v, out, lse, dout, delta, dq
+
+
 class RingAttention(torch.autograd.Function):
     """p2p context-parallel attention; see the module docstring. `overlap=False` waits for each
     transfer before computing (the benchmark's baseline); `fused`: the blocks run through the
@@ -426,13 +486,8 @@ class RingAttention(torch.autograd.Function):
         keep=None, dropout_p: float = 0.0,
     ):  # fmt: skip
         fused = fused and keep is None
-        acc = torch.promote_types(q.dtype, torch.float32)
-        # laid out as [s, b, heads, d] in memory, as SDPA's output is for q of that layout:
-        # the projection's [s, b, heads * d] input is then a view of it, not a copy
-        b, heads, s, d = q.shape
-        out = torch.zeros((s, b, heads, d), dtype=acc, device=q.device).permute(1, 2, 0, 3)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
-        kv, src, n = [k, v], cp.rank, q.shape[2]
+        out, lse = _output_buffers(q)
+        kv, src = [k, v], cp.rank
         ring = _Ring(cp, "forward")
         for step in range(cp.size):
             pending = None
@@ -440,15 +495,7 @@ class RingAttention(torch.autograd.Function):
                 pending = ring.post(kv, step, "K/V", tag=0)
                 if not overlap:
                     pending.wait()
-            for qs, ks, mask in layout.pairs(cp.rank, src, n):
-                blocks = q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], scale, mask
-                if keep is not None:
-                    part, part_lse = block_forward(
-                        *blocks, _block_keep(keep, src, n, qs, ks), dropout_p
-                    )
-                else:
-                    part, part_lse = (fused_block_forward if fused else block_forward)(*blocks)
-                merge_into(out[:, :, qs], lse[:, :, qs], part, part_lse)
+            _forward_block(q, kv, src, cp.rank, layout, scale, fused, keep, dropout_p, out, lse)
             if pending is not None:
                 kv, src = pending.wait(), (src - 1) % cp.size
         ring.close()
@@ -460,12 +507,8 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, keep = ctx.saved_tensors
-        cp, layout, scale, n = ctx.cp, ctx.layout, ctx.scale, q.shape[2]
-        acc = lse.dtype
-        dout = dout.contiguous()
-        delta = None if ctx.fused else (dout.to(acc) * out.to(acc)).sum(-1)
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        q, k, v, out, lse, dout, delta, dq = _backward_start(ctx, dout)
+        cp = ctx.cp
         kv, src, grads, home = [k, v], cp.rank, None, None
         ring = _Ring(cp, "backward")
         for step in range(cp.size):
@@ -474,22 +517,7 @@ class RingAttention(torch.autograd.Function):
                 pending = ring.post(kv, step, "K/V", tag=0)
                 if not ctx.overlap:
                     pending.wait()
-            dk = torch.zeros(kv[0].shape, dtype=acc, device=q.device)
-            dv = torch.zeros(kv[1].shape, dtype=acc, device=q.device)
-            for qs, ks, mask in layout.pairs(cp.rank, src, n):
-                blocks = q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], dout[:, :, qs]
-                if ctx.fused:
-                    bq, bk, bv = fused_block_backward(
-                        *blocks, out[:, :, qs], lse[:, :, qs], scale, mask
-                    )
-                else:
-                    bq, bk, bv = block_backward(
-                        *blocks, lse[:, :, qs], delta[:, :, qs], scale, mask,
-                        _block_keep(keep, src, n, qs, ks), ctx.dropout_p,
-                    )  # fmt: skip
-                dq[:, :, qs] += bq
-                dk[:, :, ks] += bk
-                dv[:, :, ks] += bv
+            dk, dv = _backward_block(ctx, q, kv, src, dout, out, lse, delta, dq)
             if grads is not None:  # the visiting block's accumulator, from the previous rank
                 held_dk, held_dv = grads.wait()
                 dk += held_dk
@@ -505,6 +533,51 @@ class RingAttention(torch.autograd.Function):
         dk, dv = home if grads is None else grads.wait()
         ring.close()
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *([None] * 7)
+
+
+class GatheredBlocksAttention(torch.autograd.Function):
+    """The "all_gather" attention's core: this rank's queries over every rank's K/V, already
+    gathered in rank order (k, v: [b, groups, CP * s_local, d], rank r's tokens at
+    [r * s_local, (r + 1) * s_local)), one block per rank through the ring's block math, with
+    no transfers; nothing [s, S] is built (the masks are per pair of sub-blocks, and causal
+    pairs skip or run unmasked as in the ring). Backward returns dK and dV for the gathered
+    tensors (the gather's adjoint reduce-scatters them). `keep`: as RingAttention's."""
+
+    @staticmethod
+    def forward(
+        ctx, q, k, v, cp: CPGroup, layout: Layout, scale: float, fused, keep=None,
+        dropout_p: float = 0.0,
+    ):  # fmt: skip
+        fused = fused and keep is None
+        out, lse = _output_buffers(q)
+        n = q.shape[2]
+        for src in range(cp.size):
+            kv = [k[:, :, src * n : (src + 1) * n], v[:, :, src * n : (src + 1) * n]]
+            _forward_block(q, kv, src, cp.rank, layout, scale, fused, keep, dropout_p, out, lse)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, keep)
+        ctx.cp, ctx.layout, ctx.scale, ctx.fused, ctx.dropout_p = (
+            cp,
+            layout,
+            scale,
+            fused,
+            dropout_p,
+        )
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, dout, delta, dq = _backward_start(ctx, dout)
+        n = q.shape[2]
+        dk_all = torch.empty(k.shape, dtype=lse.dtype, device=k.device)
+        dv_all = torch.empty(v.shape, dtype=lse.dtype, device=v.device)
+        for src in range(ctx.cp.size):
+            piece = slice(src * n, (src + 1) * n)
+            kv = [k[:, :, piece], v[:, :, piece]]
+            dk_all[:, :, piece], dv_all[:, :, piece] = _backward_block(
+                ctx, q, kv, src, dout, out, lse, delta, dq
+            )
+        return dq.to(q.dtype), dk_all.to(k.dtype), dv_all.to(v.dtype), *([None] * 6)
 
 
 def _block_keep(keep: torch.Tensor | None, src: int, n: int, qs: slice, ks: slice):

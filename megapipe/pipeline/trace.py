@@ -20,16 +20,20 @@ TRACE_CATEGORIES = {"F": "forward", "B": "backward", "W": "weight-grad"}
 
 @dataclass
 class TraceRecorder:
-    """The actions of one rank, with start/end in seconds (time.perf_counter), per step."""
+    """The actions of one rank, with start/end in seconds (time.perf_counter), per step.
+    `peers`: who else takes part in this rank's computes (its global rank, and the tensor- and
+    context-parallel groups' global ranks where they have more than one), put in each compute
+    event's args, so a slow forward can be traced to the group it waited on."""
 
     rank: int
     step: int = 0
     events: list[dict] = field(default_factory=list)
+    peers: dict = field(default_factory=dict)
 
     def record(self, action: Action, start: float, end: float) -> None:
         if isinstance(action, Compute):
             category = TRACE_CATEGORIES[action.phase]
-            args = {"microbatch": action.microbatch, "chunk": action.chunk}
+            args = {"microbatch": action.microbatch, "chunk": action.chunk, **self.peers}
         else:
             category, args = "comm", {"ops": [str(op) for op in action.ops]}
         self.events.append(

@@ -108,7 +108,19 @@ def _trace_metadata(configs: Configs, state: ParallelState) -> dict:
         "virtual_stages": parallel.virtual_pipeline_model_parallel_size,
         "num_microbatches": configs.training.num_microbatches(state.dp.size),
         "receives_ahead": parallel.pipeline_receives_ahead,
+        "context_parallel_size": parallel.context_parallel_size,
+        "cp_comm_type": parallel.cp_comm_type,
     }
+
+
+def _trace_peers(state: ParallelState) -> dict:
+    """The global ranks a traced compute of this rank works with (TraceRecorder.peers)."""
+    peers: dict = {"global_rank": state.rank}
+    if state.tp.size > 1:
+        peers["tp_ranks"] = list(state.tp.ranks)
+    if state.cp.size > 1:
+        peers["cp_ranks"] = list(state.cp.ranks)
+    return peers
 
 
 class TrainingLoop:
@@ -122,7 +134,8 @@ class TrainingLoop:
         self.activity = run.activity
         self.executors = {run.executor.num_microbatches: run.executor}  # per micro-batch count
         trace_path = self.configs.parallel.pipeline_trace
-        self.trace = TraceRecorder(self.state.pp_rank) if trace_path else None
+        self.trace = TraceRecorder(self.state.pp_rank, peers=_trace_peers(self.state)) if (
+            trace_path) else None  # fmt: skip
         self.schedule = (
             OptimizerSchedule.of(training, run.configs.optimizer)
             if training.train_iters > 0
