@@ -22,6 +22,7 @@ __all__ = [
     "CheckpointConfig",
     "LoggingConfig",
     "ModelConfig",
+    "MoEConfig",
     "OptimizerConfig",
     "KernelConfig",
     "ParallelConfig",
@@ -33,6 +34,46 @@ __all__ = [
 
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+
+
+MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
+MOE_LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
+MOE_DROP_POLICIES = ("probs", "position")
+MOE_DISPATCHERS = ("allgather", "alltoall")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture of experts in place of the dense MLP (Megatron-LM's --num-experts family).
+
+    moe_layer_freq: an int N puts an MoE on every N-th layer (layers 0, N, 2N, ...), a tuple
+    gives one 1 (MoE) or 0 (dense) per layer, as Megatron-LM's `--moe-layer-freq`.
+    """
+
+    num_experts: int
+    moe_layer_freq: int | tuple[int, ...] = 1
+    moe_ffn_hidden_size: int | None = None  # None: the dense ffn_hidden_size
+    moe_router_topk: int = 2
+    moe_router_score_function: str = "softmax"
+    moe_router_pre_softmax: bool = False
+    moe_router_topk_scaling_factor: float | None = None
+    moe_router_load_balancing_type: str = "aux_loss"
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float | None = None
+    moe_router_enable_expert_bias: bool = False
+    moe_router_bias_update_rate: float = 1e-3
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_grouped_gemm: bool = False
+    moe_expert_capacity_factor: float | None = None  # None: dropless
+    moe_token_drop_policy: str = "probs"
+    moe_pad_expert_input_to_capacity: bool = False
+    moe_token_dispatcher_type: str = "allgather"
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether global layer index `layer` holds an MoE (else the dense MLP)."""
+        if isinstance(self.moe_layer_freq, int):
+            return layer % self.moe_layer_freq == 0
+        return bool(self.moe_layer_freq[layer])
 
 
 @dataclass(frozen=True)
@@ -65,6 +106,7 @@ class ModelConfig:
     init_method_std: float = 0.02
     attention_dropout: float = 0.1
     hidden_dropout: float = 0.1
+    moe: MoEConfig | None = None  # None: every layer has the dense MLP
 
     def __post_init__(self) -> None:
         if self.max_position_embeddings is None:
@@ -76,6 +118,17 @@ class ModelConfig:
             object.__setattr__(self, "ffn_hidden_size", ffn)
         if self.num_query_groups is None:
             object.__setattr__(self, "num_query_groups", self.num_attention_heads)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether global layer `layer` holds a mixture of experts instead of the dense MLP."""
+        return self.moe is not None and self.moe.is_moe_layer(layer)
+
+    @property
+    def moe_ffn_hidden_size(self) -> int:
+        """Each expert's ffn size: --moe-ffn-hidden-size, else --ffn-hidden-size."""
+        if self.moe is None or self.moe.moe_ffn_hidden_size is None:
+            return self.ffn_hidden_size
+        return self.moe.moe_ffn_hidden_size
 
     @property
     def head_dim(self) -> int:

@@ -321,13 +321,65 @@ FLAG_CASES: list[tuple[Bad, dict, list[str], int]] = [
     (B("mock data without a vocabulary size", "--mock-data needs --vocab-size (or "
        "--tokenizer-type, whose vocabulary size is used)", "add --vocab-size N (or a tokenizer)"),
      {"vocab_size": None}, [], 1),
-    (B("a Megatron-LM flag megapipe does not have", "--num-experts is a Megatron-LM flag that "
-       "megapipe does not support yet", "remove the flag (the feature is not in megapipe)"),
-     {}, ["--num-experts", "8"], 1),
+    (B("a Megatron-LM flag megapipe does not have", "--multi-latent-attention is a Megatron-LM "
+       "flag that megapipe does not support yet", "remove the flag (the feature is not in "
+       "megapipe)"), {}, ["--multi-latent-attention"], 1),
     (B("expert parallelism above 1", "--expert-model-parallel-size 2: expert parallelism is "
        "a Megatron-LM feature that megapipe does not support yet (only 1)",
-       "leave --expert-model-parallel-size / --expert-tensor-parallel-size at 1"),
+       "leave --expert-model-parallel-size at 1"),
      {"expert_model_parallel_size": 2}, [], 1),
+    (B("expert tensor parallelism other than TP", "--expert-tensor-parallel-size 2: experts "
+       "are split like the dense MLP, so only --tensor-model-parallel-size (1) is supported yet",
+       "leave --expert-tensor-parallel-size out (it follows TP)"),
+     {"expert_tensor_parallel_size": 2}, [], 1),
+    (B("--num-experts 0", "--num-experts 0: must be at least 1", "give 1 or more experts, or "
+       "leave the flag out for a dense model"), {"num_experts": 0}, [], 1),
+    (B("top-k above the expert count", "--moe-router-topk 3: must be between 1 and "
+       "--num-experts 2", "choose --moe-router-topk <= --num-experts"),
+     {"num_experts": 2, "moe_router_topk": 3}, [], 1),
+    (B("a capacity factor <= 0", "--moe-expert-capacity-factor 0.0: must be > 0",
+       "give a positive factor (1.0: each expert takes its even share), or leave it out "
+       "(dropless)"), {"num_experts": 4, "moe_expert_capacity_factor": 0}, [], 1),
+    (B("padding to capacity without a capacity", "--moe-pad-expert-input-to-capacity needs "
+       "--moe-expert-capacity-factor", "add --moe-expert-capacity-factor F"),
+     {"num_experts": 4, "moe_pad_expert_input_to_capacity": True}, [], 1),
+    (B("the alltoall token dispatcher", "--moe-token-dispatcher-type alltoall: megapipe has no "
+       "expert parallelism yet, so only allgather", "use --moe-token-dispatcher-type "
+       "allgather (the same numbers at one expert-parallel rank)"),
+     {"num_experts": 4, "moe_token_dispatcher_type": "alltoall"}, [], 1),
+    (B("an expert bias with softmax routing", "--moe-router-enable-expert-bias needs "
+       "--moe-router-score-function sigmoid", "add --moe-router-score-function sigmoid"),
+     {"num_experts": 4, "moe_router_enable_expert_bias": True}, [], 1),
+    (B("pre-softmax with sigmoid routing", "--moe-router-pre-softmax needs "
+       "--moe-router-score-function softmax", "drop one of the two flags"),
+     {"num_experts": 4, "moe_router_pre_softmax": True, "moe_router_score_function": "sigmoid"},
+     [], 1),
+    (B("an expert ffn size of 0", "--moe-ffn-hidden-size 0: must be positive",
+       "give a positive size, or leave it out (--ffn-hidden-size)"),
+     {"num_experts": 4, "moe_ffn_hidden_size": 0}, [], 1),
+    (B("a negative MoE loss coefficient", "--moe-aux-loss-coeff -1.0 / --moe-z-loss-coeff None: "
+       "must not be negative", "use coefficients >= 0"),
+     {"num_experts": 4, "moe_aux_loss_coeff": -1}, [], 1),
+    (B("a --moe-layer-freq list of the wrong length", "--moe-layer-freq [1,0,1]: 3 entries for "
+       "--num-layers 2", "give one 0/1 entry per layer"),
+     {"num_experts": 4, "moe_layer_freq": "[1,0,1]"}, [], 1),
+    (B("a --moe-layer-freq that is no int or list", "--moe-layer-freq x: expected an int >= 1 "
+       "or a list of 0/1", "write it as N or as [1,0,1,0]"),
+     {"num_experts": 4, "moe_layer_freq": "x"}, [], 1),
+    (B("MoE with sequence parallelism", "--num-experts 4 with --sequence-parallel: MoE layers "
+       "do not gather the sequence yet; drop --sequence-parallel", "drop --sequence-parallel"),
+     {"num_experts": 4, "tensor_model_parallel_size": 2, "sequence_parallel": True}, [], 2),
+    (B("MoE with checkpoints", "--num-experts 4 with --save: checkpoints of MoE models "
+       "(Megatron-Core's expert key names) are not supported yet", "drop --save / --load for "
+       "MoE runs until MoE checkpoints land"), {"num_experts": 4, "save": "/tmp/x"}, [], 1),
+    (B("MoE with context parallelism", "--num-experts 4 with --context-parallel-size 2: not "
+       "supported yet", "drop --context-parallel-size"),
+     {"num_experts": 4, "context_parallel_size": 2}, [], 2),
+    (B("MoE with recomputation of the MLP", "--num-experts 4 with --recompute-granularity full "
+       "(uniform, 1 layer): recomputing an MoE layer is not supported yet",
+       "drop the recomputation flags (or recompute core_attn only)"),
+     {"num_experts": 4, "recompute_granularity": "full", "recompute_method": "uniform",
+      "recompute_num_layers": 1}, [], 1),
     (B("world size not a multiple of TP x CP x PP", "world size (2) is not divisible by "
        "--tensor-model-parallel-size (1) x --context-parallel-size (3) x "
        "--pipeline-model-parallel-size (1) = 3", "launch a multiple of TP x CP x PP ranks"),
@@ -1268,6 +1320,8 @@ SITE_FILES = [
 ]  # fmt: skip
 # Sites no flag can reach (a check above them refuses first, or only a library caller can).
 UNREACHABLE = {
+    "MoE layers are local only yet": "TransformerEngine is not installed here: --transformer-impl "
+    "transformer_engine is refused first",
     "--fp8-format with --recompute-granularity": "megatron_compat.py still refuses --fp8-format",
     "--lr is required": "argparse requires --lr first",
     "--lr-decay-iters or --train-iters is required": "--train-iters is always set by then",

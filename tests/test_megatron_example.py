@@ -145,7 +145,13 @@ def test_the_scaled_down_script_trains_at_tp2_pp2(gpt2_data, tmp_path: Path) -> 
 @pytest.mark.slow
 def test_a_megatron_flag_megapipe_lacks_is_refused_by_name() -> None:
     run = subprocess.run(
-        [sys.executable, str(ROOT / "pretrain_gpt.py"), "--num-layers", "2", "--num-experts", "8"],
+        [
+            sys.executable,
+            str(ROOT / "pretrain_gpt.py"),
+            "--num-layers",
+            "2",
+            "--multi-latent-attention",
+        ],
         capture_output=True,
         text=True,
         timeout=120,
@@ -153,6 +159,6 @@ def test_a_megatron_flag_megapipe_lacks_is_refused_by_name() -> None:
     )
     assert run.returncode == 2
     assert run.stderr.strip().splitlines() == [
-        "pretrain_gpt.py: error: --num-experts is a Megatron-LM flag that megapipe does not "
-        "support yet"
+        "pretrain_gpt.py: error: --multi-latent-attention is a Megatron-LM flag that megapipe "
+        "does not support yet"
     ]

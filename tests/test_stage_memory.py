@@ -10,7 +10,13 @@ import re
 
 import pytest
 
-from megapipe.config import ModelConfig, OptimizerConfig, ParallelConfig, RecomputeConfig
+from megapipe.config import (
+    ModelConfig,
+    MoEConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    RecomputeConfig,
+)
 from megapipe.conversion.convert import build_rank
 from megapipe.errors import ConfigError
 from megapipe.pipeline.partition import partition_layers, uniform_counts
@@ -33,8 +39,10 @@ GPT3_1_3B = ModelConfig(
     "shape",
     [{}, {"untie_embeddings_and_output_weights": True, "position_embedding_type": "rope",
           "normalization": "RMSNorm", "swiglu": True, "add_bias_linear": False,
-          "num_query_groups": 2}],
-    ids=["gpt", "llama"],
+          "num_query_groups": 2},
+     {"moe": MoEConfig(num_experts=4, moe_layer_freq=(1, 0, 1, 1, 0, 1), moe_ffn_hidden_size=24,
+                       moe_shared_expert_intermediate_size=16), "swiglu": True}],
+    ids=["gpt", "llama", "moe"],
 )  # fmt: skip
 def test_parameter_counts_are_the_built_models(shape: dict) -> None:
     config = ModelConfig(num_layers=6, hidden_size=32, num_attention_heads=4, vocab_size=100,
@@ -44,7 +52,7 @@ def test_parameter_counts_are_the_built_models(shape: dict) -> None:
         for stage, layers in enumerate(ranges):
             (model,) = build_rank(config, 0, tp, stage, [layers], pp)
             built = sum(p.numel() for p in model.parameters())
-            assert stage_parameters(config, len(layers), stage == 0, stage == pp - 1, tp) == built
+            assert stage_parameters(config, layers, stage == 0, stage == pp - 1, tp) == built
 
 
 ARGV = [

@@ -42,10 +42,10 @@ def logged(stdout: str) -> list[re.Match]:
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--num-experts", "8"], "--num-experts is a Megatron-LM flag that megapipe does not "
-         "support yet"),
+        (["--multi-latent-attention"], "--multi-latent-attention is a Megatron-LM flag that "
+         "megapipe does not support yet"),
         (["--fp8", "e4m3"], "--fp8 is a Megatron-LM flag that megapipe does not support yet"),
-        (["--moe-router-topk=2"], "--moe-router-topk is a Megatron-LM flag"),
+        (["--spec=x"], "--spec is a Megatron-LM flag"),
         (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size 2: expert "
          "parallelism is a Megatron-LM feature that megapipe does not support yet (only 1)"),
         (["--hiden-size", "32"], "unrecognized arguments: --hiden-size 32 (--hiden-size: did "

@@ -36,6 +36,7 @@ from megapipe.arguments.model_flags import (
     add_regularization_args,
     resolve_position_embedding,
 )
+from megapipe.arguments.moe_flags import add_moe_args, moe_config, validate_moe_features
 from megapipe.arguments.parallel_flags import add_distributed_args, cp_comm_type, virtual_stages
 from megapipe.arguments.recompute_flags import add_recompute_args, recompute_config
 from megapipe.arguments.sharding_flags import add_sharding_args, resolve_sharding
@@ -78,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_network_args(parser.add_argument_group("network size"))
     add_regularization_args(parser.add_argument_group("regularization"))
+    add_moe_args(parser.add_argument_group("mixture of experts"))
     add_distributed_args(parser.add_argument_group("distributed"))
     add_training_args(parser.add_argument_group("training"))
     add_optimizer_args(parser.add_argument_group("optimizer and mixed precision"))
@@ -155,6 +157,7 @@ def parse_args(argv: Sequence[str] | None, world_size: int) -> Configs:
         init_method_std=args.init_method_std,
         attention_dropout=args.attention_dropout,
         hidden_dropout=args.hidden_dropout,
+        moe=moe_config(args),
     )
     parallel = ParallelConfig(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
@@ -188,6 +191,9 @@ def parse_args(argv: Sequence[str] | None, world_size: int) -> Configs:
     notes += checkpoint_notes(checkpoint)
     if args.decoupled_min_lr is not None and args.decoupled_lr is None:
         notes.append("--decoupled-min-lr has no effect without --decoupled-lr")
+    recompute = recompute_config(args)
+    kernels = kernel_config(args)
+    validate_moe_features(model.moe, parallel, recompute, kernels, checkpoint)
     configs = validate_configs(
         model,
         parallel,
@@ -197,8 +203,8 @@ def parse_args(argv: Sequence[str] | None, world_size: int) -> Configs:
         data=data,
         logging=logging,
         checkpoint=checkpoint,
-        recompute=recompute_config(args),
-        kernels=kernel_config(args),
+        recompute=recompute,
+        kernels=kernels,
         arguments=tuple(
             (name, repr(_recorded(name, value))) for name, value in sorted(vars(args).items())
         ),

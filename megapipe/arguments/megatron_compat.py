@@ -4,7 +4,7 @@ which are refused by name, and what an unknown flag probably meant.
 A Megatron-LM user's launch script carries flags that only matter on a GPU with fused kernels
 (`--use-cpu-initialization`, `--no-gradient-accumulation-fusion`, ...). Those are accepted and
 reported once at start-up as having no effect, so the script runs unchanged. A Megatron-LM
-feature megapipe does not have yet (`--num-experts`, `--expert-model-parallel-size 2`) is refused
+feature megapipe does not have yet (`--fp8`, `--expert-model-parallel-size 2`) is refused
 with a line that names it, rather than argparse's generic "unrecognized arguments", and never
 silently ignored.
 """
@@ -56,13 +56,6 @@ NO_EFFECT_FLAGS: tuple[NoEffectFlag, ...] = (
 # Megatron-LM features megapipe does not have: refused by name (argv is scanned for them
 # before argparse sees it, so a value after the flag does not matter).
 UNSUPPORTED_FLAGS: tuple[str, ...] = (
-    "--num-experts",
-    "--moe-router-topk",
-    "--moe-grouped-gemm",
-    "--moe-aux-loss-coeff",
-    "--moe-router-load-balancing-type",
-    "--moe-token-dispatcher-type",
-    "--moe-ffn-hidden-size",
     "--fp8",
     "--use-legacy-models",
     "--spec",
@@ -78,7 +71,6 @@ UNSUPPORTED_FLAGS: tuple[str, ...] = (
 # Parallelism kinds megapipe does not have: accepted at their default of 1.
 SIZE_ONE_FLAGS: dict[str, str] = {
     "--expert-model-parallel-size": "expert parallelism",
-    "--expert-tensor-parallel-size": "expert tensor parallelism",
 }
 
 

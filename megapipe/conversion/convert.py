@@ -63,6 +63,7 @@ ADDED_LATER = {
     "rotary_percent": 1.0,
     "squared_relu": False,
     "apply_residual_connection_post_layernorm": False,
+    "moe": None,  # MoE runs cannot save yet (megapipe/arguments/moe_flags.py refuses --save)
 }
 
 

@@ -26,6 +26,7 @@ from megapipe.model.fused_ops import fused
 from megapipe.model.fused_ops import kernel_choices as kernel_choices_for
 from megapipe.model.initialization import initialize_parameters
 from megapipe.model.kv_cache import KVCache
+from megapipe.model.moe_losses import MoELosses
 from megapipe.model.recompute import recompute, recomputed_groups, wanted
 from megapipe.model.rotary import RotaryEmbedding
 from megapipe.model.te_layers import chunk_fp8_scope
@@ -110,6 +111,7 @@ class Decoder(torch.nn.Module):
         kernels: KernelConfig | None = None,
         choices: KernelChoices | None = None,
         cp: Group | None = None,
+        moe_losses: MoELosses | None = None,
     ) -> None:
         super().__init__()
         recompute = recompute or RecomputeConfig()
@@ -129,6 +131,7 @@ class Decoder(torch.nn.Module):
                     choices=choices,
                     fp8_scope=self.fp8,
                     cp=cp,
+                    moe_losses=moe_losses,
                 )
                 for i in layers
             }
@@ -236,6 +239,8 @@ class GPTModel(torch.nn.Module):
             if config.position_embedding_type == "rope"
             else None
         )
+        # the MoE layers' auxiliary losses of the current step (None: a dense model)
+        self.moe_losses = MoELosses(config.num_layers) if config.moe is not None else None
         self.decoder = Decoder(
             config,
             tp,
@@ -247,6 +252,7 @@ class GPTModel(torch.nn.Module):
             kernels,
             choices,
             state.cp,
+            self.moe_losses,
         )
         self.cp = state.cp  # context parallelism: this rank holds its chunks of each sequence
         self.output_layer = None

@@ -23,6 +23,8 @@ from megapipe.model.dropout import LogicalDropout
 from megapipe.model.fused_ops import fused
 from megapipe.model.kv_cache import KVCache
 from megapipe.model.mlp import MLP
+from megapipe.model.moe import MoELayer
+from megapipe.model.moe_losses import MoELosses
 from megapipe.model.recompute import recompute, wanted
 from megapipe.model.rotary import RotaryEmbedding
 from megapipe.model.te_layers import chunk_fp8_scope, use_transformer_engine
@@ -65,10 +67,12 @@ class TransformerLayer(torch.nn.Module):
         choices: KernelChoices | None = None,
         fp8_scope: FP8Scope | None = None,
         cp: Group | None = None,
+        moe_losses: MoELosses | None = None,
     ) -> None:
         """choices: the fused kernels chosen for this run (None: plain torch everywhere);
         fp8_scope: the chunk's FP8 autocast (TE layers; default: the layer's own);
-        cp: the context-parallel group (None: one rank holds whole sequences)."""
+        cp: the context-parallel group (None: one rank holds whole sequences);
+        moe_losses: where an MoE layer records its auxiliary losses (the model's)."""
         super().__init__()
         recompute = recompute or RecomputeConfig()
         kernels = kernels or KernelConfig()
@@ -105,9 +109,18 @@ class TransformerLayer(torch.nn.Module):
         self.pre_mlp_layernorm = build_norm(
             config.normalization, config.hidden_size, eps, sp, norm_kernel
         )
-        self.mlp = MLP(
-            config, tp, output_init_std=output_std, sequence_parallel=sp, kernels=choices
-        )
+        if config.is_moe_layer(layer_number):
+            self.mlp = MoELayer(
+                config,
+                tp,
+                output_init_std=output_std,
+                layer_number=layer_number,
+                losses=moe_losses,
+            )
+        else:
+            self.mlp = MLP(
+                config, tp, output_init_std=output_std, sequence_parallel=sp, kernels=choices
+            )
         self.fp8_scope = FP8Scope(None)
         if kernels.transformer_impl == "transformer_engine":  # TE's linears and fused norms
             self.fp8_scope = fp8_scope if fp8_scope is not None else chunk_fp8_scope(kernels, tp)

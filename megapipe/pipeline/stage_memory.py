@@ -56,24 +56,44 @@ from megapipe.pipeline.simulator import simulate_kind
 _MB = 1024.0 * 1024.0
 
 
-def layer_parameters(config: ModelConfig, tp: int) -> int:
-    """Parameters of one transformer layer on one TP rank."""
+def layer_parameters(config: ModelConfig, tp: int, layer: int = 0) -> int:
+    """Parameters of transformer layer `layer` (global index) on one TP rank: an MoE layer
+    holds its router, every expert (no expert parallelism yet) and the shared expert."""
     h, f, d = config.hidden_size, config.ffn_hidden_size, config.head_dim
     qkv = (config.num_attention_heads + 2 * config.num_query_groups) * d
-    fc1 = f * (2 if config.swiglu else 1)
-    weights = (h * qkv + config.num_attention_heads * d * h + h * fc1 + f * h) // tp
-    biases = (qkv + fc1) // tp + 2 * h if config.add_bias_linear else 0
+    weights = (h * qkv + config.num_attention_heads * d * h) // tp
+    biases = qkv // tp + h if config.add_bias_linear else 0
     norms = 2 * h * (2 if config.normalization == "LayerNorm" else 1)
     if config.qk_layernorm:  # q and k norms over the head dim, replicated across TP
         norms += 2 * d * (2 if config.normalization == "LayerNorm" else 1)
-    return weights + biases + norms
+    if config.is_moe_layer(layer):
+        moe = config.moe
+        mlp = moe.num_experts * _mlp_parameters(config, config.moe_ffn_hidden_size, tp)
+        mlp += moe.num_experts * h  # the router, replicated over TP
+        if moe.moe_shared_expert_intermediate_size is not None:
+            mlp += _mlp_parameters(config, moe.moe_shared_expert_intermediate_size, tp)
+    else:
+        mlp = _mlp_parameters(config, f, tp)
+    return weights + biases + norms + mlp
 
 
-def stage_parameters(config: ModelConfig, layers: int, first: bool, last: bool, tp: int) -> int:
-    """Parameters one TP rank of a stage holds: its layers, and the embedding / output layer
-    (with tied embeddings a last stage that is not also the first holds a copy)."""
+def _mlp_parameters(config: ModelConfig, ffn: int, tp: int) -> int:
+    """One MLP of ffn size `ffn` on one TP rank (fc1 and its bias split, fc2's bias whole)."""
+    h = config.hidden_size
+    fc1 = ffn * (2 if config.swiglu else 1)
+    biases = fc1 // tp + h if config.add_bias_linear else 0
+    return (h * fc1 + ffn * h) // tp + biases
+
+
+def stage_parameters(
+    config: ModelConfig, layers: int | range, first: bool, last: bool, tp: int
+) -> int:
+    """Parameters one TP rank of a stage holds: its layers (a range of global indices, or a
+    count, read as layers 0..count-1), and the embedding / output layer (with tied embeddings
+    a last stage that is not also the first holds a copy)."""
     h, vocab = config.hidden_size, config.padded_vocab_size(tp)
-    count = layers * layer_parameters(config, tp)
+    indices = range(layers) if isinstance(layers, int) else layers
+    count = sum(layer_parameters(config, tp, i) for i in indices)
     if first:
         count += vocab * h // tp
         if config.position_embedding_type == "learned_absolute":

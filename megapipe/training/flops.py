@@ -38,6 +38,9 @@ def flops_per_iteration(
 
     and the iteration is 3 x (L x per layer + logits). Recomputation is not counted because
     megapipe has none yet. With --rampup-batch-size pass the current global batch size.
+
+    An MoE layer counts its active parameters: the router (2 B s h E), top-k experts' MLPs
+    of --moe-ffn-hidden-size each, and the shared expert's MLP, instead of the dense MLP.
     """
     b, s, h = global_batch_size, model.seq_length, model.hidden_size
     n, g, d, f = (
@@ -51,10 +54,23 @@ def flops_per_iteration(
     scores = 2 * b * n * s * s * d // 2  # Q K^T over heads, halved by the causal mask
     values = 2 * b * n * s * s * d // 2  # softmax(Q K^T) V, halved likewise
     projection = 2 * tokens * n * d * h
-    mlp = 2 * tokens * h * f * (3 if model.swiglu else 2)
+    matrices = 3 if model.swiglu else 2
+    mlp = 2 * tokens * h * f * matrices
     logits = 2 * tokens * h * padded_vocab_size
-    forward = model.num_layers * (qkv + scores + values + projection + mlp) + logits
+    forward = model.num_layers * (qkv + scores + values + projection) + logits
+    for layer in range(model.num_layers):
+        forward += _moe_mlp_flops(model, tokens) if model.is_moe_layer(layer) else mlp
     return 3 * forward
+
+
+def _moe_mlp_flops(model: ModelConfig, tokens: int) -> int:
+    """Forward FLOPs of one MoE layer: router, top-k experts and the shared expert."""
+    moe, h = model.moe, model.hidden_size
+    matrices = 3 if model.swiglu else 2
+    router = 2 * tokens * h * moe.num_experts
+    experts = moe.moe_router_topk * 2 * tokens * h * model.moe_ffn_hidden_size * matrices
+    shared = 2 * tokens * h * (moe.moe_shared_expert_intermediate_size or 0) * matrices
+    return router + experts + shared
 
 
 # Dense (no structured sparsity) bf16/fp16 tensor-core peaks in TFLOP/s, from NVIDIA's data

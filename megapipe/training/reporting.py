@@ -125,7 +125,8 @@ class TrainingReporter:
     def _accumulate(self, elapsed: float, batch_size: int, result: StepResult) -> None:
         """Add one iteration to the interval: its loss, time, FLOPs, tokens and timers."""
         model = self.configs.model
-        self.stats.add({"lm loss": result.lm_loss}, skipped=result.skipped)
+        losses = {"lm loss": result.lm_loss, **result.moe_losses}  # MoE: Megatron's names
+        self.stats.add(losses, skipped=result.skipped)
         self.interval_time += elapsed
         self.interval_flops += flops_per_iteration(
             model, batch_size, padded_vocab_size=self.padded_vocab
@@ -164,7 +165,7 @@ class TrainingReporter:
         self.tensorboard.log_train(
             iteration,
             consumed_samples,
-            losses={"lm loss": result.lm_loss},
+            losses={"lm loss": result.lm_loss, **result.moe_losses},
             learning_rate=learning_rate if logging.log_learning_rate_to_tensorboard else None,
             decoupled_learning_rate=(
                 decoupled_learning_rate if logging.log_learning_rate_to_tensorboard else None

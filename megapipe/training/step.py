@@ -26,6 +26,8 @@ from megapipe.data.sampler import micro_batch_range
 from megapipe.distributed import finalize_model_grads
 from megapipe.distributed.optimizer import NonFiniteGradient, ShardedOptimizer
 from megapipe.errors import MegapipeError
+from megapipe.model.moe import update_expert_biases
+from megapipe.model.moe_losses import reduce_moe_losses
 from megapipe.model.te_layers import start_microbatches
 from megapipe.parallel.state import ParallelState
 from megapipe.pipeline.executor import PipelineExecutor
@@ -52,6 +54,9 @@ class StepResult:
     timers: dict[str, float] = field(default_factory=dict, compare=False)
     num_zeros: float | None = None  # --log-num-zeros-in-grad (None: not asked, or skipped)
     params_norm: float | None = None  # --log-params-norm: after the update
+    # MoE auxiliary losses by Megatron's names (load_balancing_loss, z_loss), without their
+    # coefficients, averaged over micro-batches, MoE layers and DP; empty for a dense model
+    moe_losses: dict[str, float] = field(default_factory=dict, compare=False)
 
 
 class NumericalFaultError(MegapipeError, RuntimeError):
@@ -157,6 +162,10 @@ def train_step(
     start_microbatches(chunks)  # TE: cast the new weights to fp8 once, on the first micro-batch
     for buffer in optimizer.buffers:
         buffer.expect_microbatches(batch.num_microbatches)
+    aux_scale = (scaler.scale if scaler is not None else 1.0) / batch.num_microbatches
+    for chunk in chunks:  # MoE aux losses' gradients start where the LM loss's do
+        if getattr(chunk, "moe_losses", None) is not None:
+            chunk.moe_losses.start_step(float(aux_scale))
     start = time.perf_counter()
     with optimizer.gradient_sync(executor.defers_weight_grads):
         losses = executor.run(
@@ -171,6 +180,7 @@ def train_step(
         buffer.finish_grad_sync()
     finalize_model_grads(chunks, state)
     lm_loss = mean_loss.wait()
+    moe_losses = reduce_moe_losses(chunks, state, batch.num_microbatches)
     reduced = time.perf_counter()
     checks = optimizer.config
     if scaler is None and checks.check_for_nan_in_loss_and_grad and not math.isfinite(lm_loss):
@@ -184,6 +194,7 @@ def train_step(
         outcome = optimizer.step(lr, decoupled_lr)  # decoupled_lr: --decoupled-lr's groups
     except NonFiniteGradient as fault:
         raise NonFiniteGradError(_gradient_fault(fault, chunks, iteration, state)) from None
+    update_expert_biases(chunks, state.dp)  # --moe-router-enable-expert-bias (else nothing)
     zeros = optimizer.num_zeros_in_grad() if count_zeros and not outcome.skipped else None
     optimizer.zero_grad()
     timers = {
@@ -192,7 +203,7 @@ def train_step(
         "optimizer": time.perf_counter() - reduced,
     }
     norm = optimizer.params_norm() if params_norm else None
-    return StepResult(lm_loss, outcome.grad_norm, outcome.skipped, timers, zeros, norm)
+    return StepResult(lm_loss, outcome.grad_norm, outcome.skipped, timers, zeros, norm, moe_losses)
 
 
 @dataclass

@@ -1,0 +1,236 @@
+"""Mixture-of-experts flags (Megatron-LM's --num-experts family) -> MoEConfig, and the
+combinations megapipe refuses with MoE for now (each in one line naming flags and numbers)."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+
+from megapipe.config import (
+    MOE_DISPATCHERS,
+    MOE_DROP_POLICIES,
+    MOE_LOAD_BALANCING_TYPES,
+    MOE_SCORE_FUNCTIONS,
+    CheckpointConfig,
+    KernelConfig,
+    MoEConfig,
+    ParallelConfig,
+    RecomputeConfig,
+)
+from megapipe.errors import ConfigError
+
+SUPPORTED_DISPATCHERS = ("allgather",)  # at one expert-parallel rank both are the same local sort
+
+
+def add_moe_args(group: argparse._ArgumentGroup) -> None:
+    add = group.add_argument
+    add("--num-experts", type=int, default=None, help="Number of experts (None: no MoE).")
+    add(
+        "--moe-layer-freq",
+        default="1",
+        help="Which layers hold an MoE: an int N (every N-th layer, from layer 0) or a list "
+        "such as [1,0,1,0] with one entry per layer. Default: 1 (every layer).",
+    )
+    add("--moe-ffn-hidden-size", type=int, default=None, help="Each expert's ffn hidden size.")
+    add("--moe-router-topk", type=int, default=2, help="Experts per token. Default: 2.")
+    add(
+        "--moe-router-score-function",
+        default="softmax",
+        choices=MOE_SCORE_FUNCTIONS,
+        help="Router score function. Default: softmax.",
+    )
+    add(
+        "--moe-router-pre-softmax",
+        action="store_true",
+        help="Softmax over all experts before top-k (default: top-k of the logits, then "
+        "softmax over the chosen ones, as Mixtral).",
+    )
+    add(
+        "--moe-router-topk-scaling-factor",
+        type=float,
+        default=None,
+        help="Multiply the chosen experts' routing probabilities by this factor.",
+    )
+    add(
+        "--moe-router-load-balancing-type",
+        default="aux_loss",
+        choices=MOE_LOAD_BALANCING_TYPES,
+        help="aux_loss (Switch Transformer, over the micro-batch), seq_aux_loss (per "
+        "sequence) or none. Default: aux_loss.",
+    )
+    add("--moe-aux-loss-coeff", type=float, default=0.0, help="Load-balancing loss coefficient.")
+    add("--moe-z-loss-coeff", type=float, default=None, help="Router z-loss coefficient.")
+    add(
+        "--moe-router-enable-expert-bias",
+        action="store_true",
+        help="DeepSeek-V3's aux-loss-free balancing: a bias on the scores, for selection only, "
+        "moved toward balance after every step (needs --moe-router-score-function sigmoid).",
+    )
+    add(
+        "--moe-router-bias-update-rate",
+        type=float,
+        default=1e-3,
+        help="Step of the expert bias update. Default: 1e-3.",
+    )
+    add(
+        "--moe-shared-expert-intermediate-size",
+        type=int,
+        default=None,
+        help="ffn size of a shared (dense) expert that every token also goes through.",
+    )
+    add(
+        "--moe-grouped-gemm",
+        action="store_true",
+        help="All experts' GEMMs in one grouped matmul (torch's grouped_mm, else a loop).",
+    )
+    add(
+        "--moe-expert-capacity-factor",
+        type=float,
+        default=None,
+        help="Each expert takes at most ceil(tokens x topk / experts x factor) tokens of a "
+        "micro-batch; the rest are dropped (None: dropless).",
+    )
+    add(
+        "--moe-token-drop-policy",
+        default="probs",
+        choices=MOE_DROP_POLICIES,
+        help="Over capacity, drop the lowest-probability (probs) or the latest (position) "
+        "tokens. Default: probs.",
+    )
+    add(
+        "--moe-pad-expert-input-to-capacity",
+        action="store_true",
+        help="Give every expert exactly its capacity of tokens (padding with zero weight).",
+    )
+    add(
+        "--moe-token-dispatcher-type",
+        default="allgather",
+        choices=MOE_DISPATCHERS,
+        help="How tokens reach their experts. Only allgather here (no expert parallelism).",
+    )
+    add(
+        "--expert-tensor-parallel-size",
+        type=int,
+        default=None,
+        help="TP size of the experts; only the default (= --tensor-model-parallel-size).",
+    )
+
+
+def _layer_freq(text: str, num_layers: int) -> int | tuple[int, ...]:
+    """--moe-layer-freq: an int, or a Python-style list of 0/1 with one entry per layer."""
+    try:
+        value = ast.literal_eval(text.strip())
+    except (ValueError, SyntaxError):
+        value = None
+    if isinstance(value, int) and value >= 1:
+        return value
+    if isinstance(value, list) and all(v in (0, 1) for v in value):
+        if len(value) != num_layers:
+            raise ConfigError(
+                f"--moe-layer-freq {text}: {len(value)} entries for --num-layers {num_layers}"
+            )
+        return tuple(int(v) for v in value)
+    raise ConfigError(f"--moe-layer-freq {text}: expected an int >= 1 or a list of 0/1")
+
+
+def moe_config(args: argparse.Namespace) -> MoEConfig | None:
+    """The MoE flags as a MoEConfig (None without --num-experts); ConfigError for a bad one."""
+    tp = args.tensor_model_parallel_size
+    etp = args.expert_tensor_parallel_size
+    if etp is not None and etp != tp:
+        raise ConfigError(
+            f"--expert-tensor-parallel-size {etp}: experts are split like the dense MLP, so "
+            f"only --tensor-model-parallel-size ({tp}) is supported yet"
+        )
+    if args.num_experts is None:
+        return None
+    e, k = args.num_experts, args.moe_router_topk
+    if e < 1:
+        raise ConfigError(f"--num-experts {e}: must be at least 1")
+    if not 1 <= k <= e:
+        raise ConfigError(f"--moe-router-topk {k}: must be between 1 and --num-experts {e}")
+    factor = args.moe_expert_capacity_factor
+    if factor is not None and factor <= 0:
+        raise ConfigError(f"--moe-expert-capacity-factor {factor}: must be > 0")
+    if args.moe_pad_expert_input_to_capacity and factor is None:
+        raise ConfigError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
+    if args.moe_token_dispatcher_type not in SUPPORTED_DISPATCHERS:
+        raise ConfigError(
+            f"--moe-token-dispatcher-type {args.moe_token_dispatcher_type}: megapipe has no "
+            "expert parallelism yet, so only allgather"
+        )
+    if args.moe_router_enable_expert_bias and args.moe_router_score_function != "sigmoid":
+        raise ConfigError(
+            "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (it is "
+            f"{args.moe_router_score_function}), as Megatron-Core"
+        )
+    if args.moe_router_pre_softmax and args.moe_router_score_function != "softmax":
+        raise ConfigError("--moe-router-pre-softmax needs --moe-router-score-function softmax")
+    for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} {value}: must be positive")
+    if args.moe_aux_loss_coeff < 0 or (args.moe_z_loss_coeff or 0) < 0:
+        raise ConfigError(
+            f"--moe-aux-loss-coeff {args.moe_aux_loss_coeff} / --moe-z-loss-coeff "
+            f"{args.moe_z_loss_coeff}: must not be negative"
+        )
+    return MoEConfig(
+        num_experts=e,
+        moe_layer_freq=_layer_freq(args.moe_layer_freq, args.num_layers),
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        moe_router_topk=k,
+        moe_router_score_function=args.moe_router_score_function,
+        moe_router_pre_softmax=args.moe_router_pre_softmax,
+        moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
+        moe_router_load_balancing_type=args.moe_router_load_balancing_type,
+        moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+        moe_z_loss_coeff=args.moe_z_loss_coeff,
+        moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=args.moe_router_bias_update_rate,
+        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+        moe_grouped_gemm=args.moe_grouped_gemm,
+        moe_expert_capacity_factor=factor,
+        moe_token_drop_policy=args.moe_token_drop_policy,
+        moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
+        moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+    )
+
+
+def validate_moe_features(
+    moe: MoEConfig | None,
+    parallel: ParallelConfig,
+    recompute: RecomputeConfig,
+    kernels: KernelConfig,
+    checkpoint: CheckpointConfig,
+) -> None:
+    """MoE with a feature it does not work with yet: one line naming the flags."""
+    if moe is None:
+        return
+    e = moe.num_experts
+    if checkpoint.save is not None or checkpoint.load is not None:
+        given = "--save" if checkpoint.save is not None else "--load"
+        raise ConfigError(
+            f"--num-experts {e} with {given}: checkpoints of MoE models (Megatron-Core's "
+            "expert key names) are not supported yet"
+        )
+    if parallel.sequence_parallel and parallel.tensor_model_parallel_size > 1:
+        raise ConfigError(
+            f"--num-experts {e} with --sequence-parallel: MoE layers do not gather the "
+            "sequence yet; drop --sequence-parallel"
+        )
+    if parallel.context_parallel_size > 1:
+        raise ConfigError(
+            f"--num-experts {e} with --context-parallel-size {parallel.context_parallel_size}: "
+            "not supported yet"
+        )
+    if recompute.full or recompute.selective("mlp"):
+        raise ConfigError(
+            f"--num-experts {e} with --recompute-granularity {recompute.describe()}: "
+            "recomputing an MoE layer is not supported yet"
+        )
+    if kernels.transformer_impl != "local":
+        raise ConfigError(
+            f"--num-experts {e} with --transformer-impl {kernels.transformer_impl}: MoE "
+            "layers are local only yet"
+        )
