@@ -350,6 +350,9 @@ FLAG_CASES: list[tuple[Bad, dict, list[str], int]] = [
     (B("an expert bias with softmax routing", "--moe-router-enable-expert-bias needs "
        "--moe-router-score-function sigmoid", "add --moe-router-score-function sigmoid"),
      {"num_experts": 4, "moe_router_enable_expert_bias": True}, [], 1),
+    (B("top-1 softmax routing without pre-softmax", "--moe-router-topk 1 with softmax "
+       "routing needs --moe-router-pre-softmax", "add --moe-router-pre-softmax"),
+     {"num_experts": 4, "moe_router_topk": 1}, [], 1),
     (B("pre-softmax with sigmoid routing", "--moe-router-pre-softmax needs "
        "--moe-router-score-function softmax", "drop one of the two flags"),
      {"num_experts": 4, "moe_router_pre_softmax": True, "moe_router_score_function": "sigmoid"},

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from megapipe.config import ModelConfig, MoEConfig
 from megapipe.model.moe import DispatchPlan, MoELayer, update_expert_biases
 from megapipe.model.moe_experts import Experts, grouped_mm_available
-from megapipe.model.moe_losses import LOAD_BALANCING_LOSS, Z_LOSS
+from megapipe.model.moe_losses import LOAD_BALANCING_LOSS, Z_LOSS, balancing_loss_name
 from megapipe.parallel.state import Group
 from megapipe.testing import run_distributed, train_with_flags
 
@@ -200,7 +200,9 @@ def test_balancing_and_z_losses_follow_megatrons_definitions(balancing: str) -> 
     lb = _aux_reference(logits, 2, balancing == "seq_aux_loss")
     zl = (torch.logsumexp(logits, dim=-1) ** 2).mean()
     recorded = layer.losses.values
-    assert float(recorded[LOAD_BALANCING_LOSS][0]) == pytest.approx(lb.item(), rel=1e-6)
+    name = balancing_loss_name(balancing)  # Megatron's: seq_load_balancing_loss for seq_aux
+    assert name == ("seq_" if balancing == "seq_aux_loss" else "") + "load_balancing_loss"
+    assert float(recorded[name][0]) == pytest.approx(lb.item(), rel=1e-6)
     assert float(recorded[Z_LOSS][0]) == pytest.approx(zl.item(), rel=1e-6)
     (aux * lb + z * zl).backward()
     assert (layer.router.weight.grad.double() - w.grad).abs().max() < 1e-6

@@ -166,6 +166,12 @@ def moe_config(args: argparse.Namespace) -> MoEConfig | None:
         )
     if args.moe_router_pre_softmax and args.moe_router_score_function != "softmax":
         raise ConfigError("--moe-router-pre-softmax needs --moe-router-score-function softmax")
+    if k == 1 and args.moe_router_score_function == "softmax" and not args.moe_router_pre_softmax:
+        raise ConfigError(
+            "--moe-router-topk 1 with softmax routing needs --moe-router-pre-softmax (a softmax "
+            "over the one chosen expert is always 1, so the router would get no gradient), as "
+            "Megatron-Core"
+        )
     for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
         value = getattr(args, name)
         if value is not None and value < 1:

@@ -19,7 +19,14 @@ import torch.distributed as dist
 from megapipe.parallel.state import ParallelState
 
 LOAD_BALANCING_LOSS = "load_balancing_loss"
+SEQ_LOAD_BALANCING_LOSS = "seq_load_balancing_loss"
 Z_LOSS = "z_loss"
+
+
+def balancing_loss_name(load_balancing_type: str) -> str:
+    """The name Megatron-Core logs a balancing loss by: `load_balancing_loss` (aux_loss),
+    `seq_load_balancing_loss` (seq_aux_loss)."""
+    return SEQ_LOAD_BALANCING_LOSS if load_balancing_type == "seq_aux_loss" else LOAD_BALANCING_LOSS
 
 
 class MoELosses:
@@ -77,7 +84,7 @@ def reduce_moe_losses(
         return {}
     names = []
     if moe.moe_router_load_balancing_type != "none" and moe.moe_aux_loss_coeff > 0:
-        names.append(LOAD_BALANCING_LOSS)
+        names.append(balancing_loss_name(moe.moe_router_load_balancing_type))
     if moe.moe_z_loss_coeff:
         names.append(Z_LOSS)
     if not names:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from megapipe.config import MoEConfig
 from megapipe.layers.param_meta import ParamMeta, make_param
-from megapipe.model.moe_losses import LOAD_BALANCING_LOSS, Z_LOSS, MoELosses, attach
+from megapipe.model.moe_losses import Z_LOSS, MoELosses, attach, balancing_loss_name
 
 
 def topk_routing(
@@ -173,7 +173,7 @@ class Router(torch.nn.Module):
             else:
                 loss = sequence_load_balancing_loss(scores, loss_map, k, seq_length, batch)
             probs = attach(probs, loss * config.moe_aux_loss_coeff, self.losses)
-            self.losses.record(LOAD_BALANCING_LOSS, self.layer_number, loss)
+            self.losses.record(balancing_loss_name(balancing), self.layer_number, loss)
         if training and self.expert_bias is not None:
             self.tokens_per_expert += routing_map.sum(dim=0).to(self.tokens_per_expert.dtype)
         return probs, routing_map
