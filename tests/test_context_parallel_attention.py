@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megapipe.data.context_parallel_split import chunk_positions, split_sequence
-from megapipe.model import context_parallel_ring as ring
+from megapipe.model import context_parallel_blocks as blocks
 from megapipe.model.context_parallel import (
     COMM_TYPES,
     context_parallel_attention,
@@ -242,8 +242,8 @@ def test_fused_block_matches_reference_block_with_a_row_that_sees_nothing():
     k, v = (torch.randn(2, 2, 5, D, generator=gen, dtype=torch.float64) for _ in "kv")
     mask = torch.rand(2, 1, 1, 6, 5, generator=gen) > 0.4
     mask[0, :, :, 2] = False  # query 2 of sample 0 sees no key of this block
-    out, lse = ring.block_forward(q, k, v, 0.5, mask)
-    fused_out, fused_lse = ring.fused_block_forward(q, k, v, 0.5, mask)
+    out, lse = blocks.block_forward(q, k, v, 0.5, mask)
+    fused_out, fused_lse = blocks.fused_block_forward(q, k, v, 0.5, mask)
     assert torch.isneginf(lse[0, :, 2]).all() and torch.isneginf(fused_lse[0, :, 2]).all()
     torch.testing.assert_close(fused_out, out, rtol=0, atol=1e-12)
     torch.testing.assert_close(fused_lse, lse, rtol=0, atol=1e-12)
@@ -252,8 +252,8 @@ def test_fused_block_matches_reference_block_with_a_row_that_sees_nothing():
     dout = torch.randn(q.shape, generator=gen, dtype=q.dtype)
     full_out = torch.randn(q.shape, generator=gen, dtype=q.dtype)
     delta = (dout * full_out).sum(-1)
-    expected = ring.block_backward(q, k, v, dout, final, delta, 0.5, mask)
-    got = ring.fused_block_backward(q, k, v, dout, full_out, final, 0.5, mask)
+    expected = blocks.block_backward(q, k, v, dout, final, delta, 0.5, mask)
+    got = blocks.fused_block_backward(q, k, v, dout, full_out, final, 0.5, mask)
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 

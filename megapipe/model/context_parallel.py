@@ -46,13 +46,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megapipe.data.context_parallel_split import chunk_positions
+from megapipe.model.context_parallel_blocks import fused_blocks_available, pair_mask
 from megapipe.model.context_parallel_ring import (
     CPGroup,
     GatheredBlocksAttention,
     Layout,
     RingAttention,
-    fused_blocks_available,
-    pair_mask,
 )
 from megapipe.parallel.mappings import all_gather_single, reduce_scatter_single
 
