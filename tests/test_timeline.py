@@ -203,8 +203,8 @@ def test_a_context_parallel_trace_names_each_computes_cp_peers(tmp_path: Path) -
     """CP2 x PP2 (rank order tp-cp-dp-pp): global rank 0's pipeline is ranks 0 and 2; each
     compute event carries its rank's CP group (0 with 1, 2 with 3), the metadata the CP size."""
     path = tmp_path / "cp_trace.json"
-    argv = TRACED + ["--context-parallel-size", "2", "--emulate-nccl-p2p-order",
-                     "--attention-dropout", "0", "--pipeline-trace", str(path)]  # fmt: skip
+    argv = TRACED + ["--context-parallel-size", "2", "--attention-dropout", "0",
+                     "--eval-iters", "0", "--pipeline-trace", str(path)]  # fmt: skip
     run_distributed(train_with_flags, 4, argv, timeout=120)
     document = json.loads(path.read_text())
     computes = [e for e in document["traceEvents"] if e["ph"] == "X" and e["cat"] != "comm"]
