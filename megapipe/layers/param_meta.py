@@ -29,6 +29,10 @@ class ParamMeta:
         partial and must be summed over TP before the optimizer step.
     embedding_or_output: the word embedding or the output layer's weight (a tied copy too):
         Megatron's `is_embedding_or_output_parameter`, which --decoupled-lr's schedule drives.
+    expert_parallel: an MoE expert parameter: dimension 0 is the global expert id, split into
+        contiguous blocks over the expert-parallel group (EP rank r holds experts
+        [r E / EP, (r + 1) E / EP)); its gradient is reduced over the expert-data-parallel
+        group, not DP x CP, and EP ranks hold different parts of it (the grad norm sums them).
     """
 
     full_shape: tuple[int, ...]
@@ -40,15 +44,20 @@ class ParamMeta:
     copy_of: str | None = None
     sequence_parallel: bool = False
     embedding_or_output: bool = False
+    expert_parallel: bool = False
 
     @property
     def is_tensor_parallel(self) -> bool:
         return self.tp_dim is not None
 
 
-def make_param(meta: ParamMeta, tp_size: int) -> torch.nn.Parameter:
+def make_param(meta: ParamMeta, tp_size: int, ep_size: int = 1) -> torch.nn.Parameter:
     """An uninitialised parameter of this rank's shard shape, carrying `meta`."""
     shape = list(meta.full_shape)
+    if meta.expert_parallel and ep_size > 1:
+        if shape[0] % ep_size:
+            raise ValueError(f"{shape[0]} experts do not split over {ep_size} EP ranks")
+        shape[0] //= ep_size
     if meta.tp_dim is not None:
         if shape[meta.tp_dim] % (tp_size * meta.tp_stride):
             raise ValueError(
@@ -61,8 +70,18 @@ def make_param(meta: ParamMeta, tp_size: int) -> torch.nn.Parameter:
     return param
 
 
-def shard_of(full: torch.Tensor, meta: ParamMeta, tp_rank: int, tp_size: int) -> torch.Tensor:
-    """This TP rank's shard of the full tensor, as `make_param` lays it out."""
+def shard_of(
+    full: torch.Tensor,
+    meta: ParamMeta,
+    tp_rank: int,
+    tp_size: int,
+    ep_rank: int = 0,
+    ep_size: int = 1,
+) -> torch.Tensor:
+    """This TP (and, for experts, EP) rank's shard of the full tensor, as `make_param` lays
+    it out."""
+    if meta.expert_parallel and ep_size > 1:
+        full = full.chunk(ep_size, dim=0)[ep_rank]
     if meta.tp_dim is None or tp_size == 1:
         return full
     blocks = full.chunk(meta.tp_stride, dim=meta.tp_dim)

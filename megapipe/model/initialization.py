@@ -42,8 +42,16 @@ def full_tensor(seed: int, name: str, meta: ParamMeta) -> torch.Tensor:
 
 
 @torch.no_grad()
-def initialize_parameters(module: torch.nn.Module, seed: int, tp_rank: int, tp_size: int) -> None:
-    """Fill every parameter that carries a `ParamMeta` from its global name.
+def initialize_parameters(
+    module: torch.nn.Module,
+    seed: int,
+    tp_rank: int,
+    tp_size: int,
+    ep_rank: int = 0,
+    ep_size: int = 1,
+) -> None:
+    """Fill every parameter that carries a `ParamMeta` from its global name (experts: this EP
+    rank's block of the full [experts, ...] tensor).
 
     `module` must be the root whose parameter names are the global ones (GPTModel names its
     layers by global index, so a pipeline stage's names match the full model's).
@@ -52,4 +60,6 @@ def initialize_parameters(module: torch.nn.Module, seed: int, tp_rank: int, tp_s
         meta = getattr(param, "meta", None)
         if meta is None:
             raise ValueError(f"parameter {name} has no ParamMeta; create it with make_param")
-        param.copy_(shard_of(full_tensor(seed, name, meta), meta, tp_rank, tp_size))
+        param.copy_(
+            shard_of(full_tensor(seed, name, meta), meta, tp_rank, tp_size, ep_rank, ep_size)
+        )

@@ -135,6 +135,24 @@ def new_link_groups(
     return mine
 
 
+def expert_parallel_layout(dp_cp_groups: list[list[int]], ep: int) -> dict[str, list[list[int]]]:
+    """The expert groups, taken from each DP x CP group (Megatron's expert layout "tp-ep-dp-pp"
+    with the experts' TP equal to the dense TP): `ep`, `ep` consecutive ranks of one DP x CP
+    group, which hold different experts and exchange tokens; `expert_dp`, the ranks at the same
+    place in each EP group, which hold the same experts and reduce their gradients."""
+    if ep <= 0 or any(len(g) % ep for g in dp_cp_groups):
+        size = len(dp_cp_groups[0])
+        raise ConfigError(
+            f"--expert-model-parallel-size ({ep}) does not divide data-parallel x "
+            f"context-parallel size ({size})"
+        )
+    groups: dict[str, list[list[int]]] = {"ep": [], "expert_dp": []}
+    for ranks in dp_cp_groups:
+        groups["ep"] += [ranks[i : i + ep] for i in range(0, len(ranks), ep)]
+        groups["expert_dp"] += [ranks[j::ep] for j in range(ep)]
+    return groups
+
+
 def hybrid_layout(dp_groups: list[list[int]], instances: int) -> dict[str, list[list[int]]]:
     """Each DP group split for hybrid sharding: `dp_inner`, `instances` groups of consecutive
     DP ranks; `dp_outer`, the ranks at the same index of each inner group."""
@@ -176,6 +194,11 @@ class ParallelState:
     # the distributed optimizer shards). Left out (CP 1), they are this rank alone and `dp`.
     cp: Group = None  # type: ignore[assignment]  # set in __post_init__ when not given
     dp_cp: Group = None  # type: ignore[assignment]
+    # Expert parallelism (MoE): `ep`, the ranks of one DP x CP group that split the experts
+    # and exchange tokens; `expert_dp`, the ranks holding the same experts, over which expert
+    # gradients are reduced. Left out (EP 1): this rank alone, and `dp_cp`.
+    ep: Group = None  # type: ignore[assignment]
+    expert_dp: Group = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         if self.cp is None:
@@ -184,6 +207,12 @@ class ParallelState:
             if self.cp.size > 1:
                 raise ValueError("ParallelState with a context-parallel group needs its dp_cp")
             object.__setattr__(self, "dp_cp", self.dp)
+        if self.ep is None:
+            object.__setattr__(self, "ep", Group.single(self.rank))
+        if self.expert_dp is None:
+            if self.ep.size > 1:
+                raise ValueError("ParallelState with an expert-parallel group needs expert_dp")
+            object.__setattr__(self, "expert_dp", self.dp_cp)
 
     @property
     def tp_rank(self) -> int:
@@ -225,6 +254,7 @@ class ParallelState:
         *,
         context_parallel_size: int = 1,
         data_parallel_instances: int = 1,
+        expert_model_parallel_size: int = 1,
     ) -> ParallelState:
         """Create every group from the initialised default process group.
 
@@ -268,15 +298,27 @@ class ParallelState:
         hybrid: dict[str, Group | None] = {"dp_inner": None, "dp_outer": None}
         if data_parallel_instances > 1:
             create(hybrid_layout(replica_groups, data_parallel_instances), hybrid)
+        experts: dict[str, Group | None] = {"ep": None, "expert_dp": None}
+        if expert_model_parallel_size > 1:
+            dp_cp_groups = context_parallel_layout(world, tp, pp, cp)["dp_cp"]
+            create(expert_parallel_layout(dp_cp_groups, expert_model_parallel_size), experts)
         if device is None:
             device = torch.device("cpu")
         return cls(
-            world, me, device=torch.device(device), pp_links=links, **mine, **hybrid, **context
+            world,
+            me,
+            device=torch.device(device),
+            pp_links=links,
+            **mine,
+            **hybrid,
+            **context,
+            **experts,
         )
 
     def describe(self) -> str:
         context = f" cp {self.cp_rank}/{self.cp.size}" if self.cp.size > 1 else ""
+        experts = f" ep {self.ep.rank}/{self.ep.size}" if self.ep.size > 1 else ""
         return (
             f"rank {self.rank}: tp {self.tp_rank}/{self.tp.size}{context} dp {self.dp_rank}/"
-            f"{self.dp.size} pp {self.pp_rank}/{self.pp.size}"
+            f"{self.dp.size} pp {self.pp_rank}/{self.pp.size}{experts}"
         )
