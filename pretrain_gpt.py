@@ -68,6 +68,7 @@ def _run(argv: list[str]) -> int:
             device,
             context_parallel_size=parallel.context_parallel_size,
             data_parallel_instances=configs.optimizer.num_distributed_optimizer_instances,
+            expert_model_parallel_size=parallel.expert_model_parallel_size,
         )
         train(configs, state)
     finally:

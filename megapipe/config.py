@@ -127,6 +127,9 @@ class ParallelConfig:
     # keys and values (p2p ring, all_gather or a2a, Megatron's --cp-comm-type).
     context_parallel_size: int = 1
     cp_comm_type: str = "p2p"
+    # Expert parallelism (MoE): the experts split over this many ranks of each DP x CP group
+    # (Megatron's --expert-model-parallel-size), which exchange tokens by the MoE dispatcher.
+    expert_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: int = 1  # model chunks per pipeline rank
     pipeline_schedule: str | None = None  # None: 1f1b, or interleaved-1f1b with virtual stages
     pipeline_partition: str = "uniform"  # or "balanced"

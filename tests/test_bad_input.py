@@ -324,10 +324,22 @@ FLAG_CASES: list[tuple[Bad, dict, list[str], int]] = [
     (B("a Megatron-LM flag megapipe does not have", "--multi-latent-attention is a Megatron-LM "
        "flag that megapipe does not support yet", "remove the flag (the feature is not in "
        "megapipe)"), {}, ["--multi-latent-attention"], 1),
-    (B("expert parallelism above 1", "--expert-model-parallel-size 2: expert parallelism is "
-       "a Megatron-LM feature that megapipe does not support yet (only 1)",
-       "leave --expert-model-parallel-size at 1"),
-     {"expert_model_parallel_size": 2}, [], 1),
+    (B("expert parallelism without experts", "--expert-model-parallel-size 2 needs "
+       "--num-experts (experts to split)", "add --num-experts N, or leave "
+       "--expert-model-parallel-size at 1"), {"expert_model_parallel_size": 2}, [], 2),
+    (B("experts not divisible by EP", "--num-experts 3 is not divisible by "
+       "--expert-model-parallel-size 2: each expert-parallel rank holds the same number of "
+       "experts", "use an expert count that is a multiple of the EP size"),
+     {"num_experts": 3, "moe_router_topk": 2, "expert_model_parallel_size": 2}, [], 2),
+    (B("EP not dividing DP x CP", "--expert-model-parallel-size 4 does not divide "
+       "data-parallel x context-parallel size 2 (world 2 / (TP 1 x PP 1)): EP ranks are taken "
+       "from DP x CP", "choose an EP size that divides DP x CP (or launch more ranks)"),
+     {"num_experts": 4, "expert_model_parallel_size": 4}, [], 2),
+    (B("expert parallelism with ZeRO-2/3", "--expert-model-parallel-size 2 with ZeRO-2/3 "
+       "(--use-torch-fsdp2 or --data-parallel-sharding-strategy optim_grads_params): sharded "
+       "experts are not supported yet; use --use-distributed-optimizer",
+       "use --use-distributed-optimizer (ZeRO-1) with expert parallelism"),
+     {"num_experts": 4, "expert_model_parallel_size": 2, "use_torch_fsdp2": True}, [], 2),
     (B("expert tensor parallelism other than TP", "--expert-tensor-parallel-size 2: experts "
        "are split like the dense MLP, so only --tensor-model-parallel-size (1) is supported yet",
        "leave --expert-tensor-parallel-size out (it follows TP)"),
@@ -343,10 +355,6 @@ FLAG_CASES: list[tuple[Bad, dict, list[str], int]] = [
     (B("padding to capacity without a capacity", "--moe-pad-expert-input-to-capacity needs "
        "--moe-expert-capacity-factor", "add --moe-expert-capacity-factor F"),
      {"num_experts": 4, "moe_pad_expert_input_to_capacity": True}, [], 1),
-    (B("the alltoall token dispatcher", "--moe-token-dispatcher-type alltoall: megapipe has no "
-       "expert parallelism yet, so only allgather", "use --moe-token-dispatcher-type "
-       "allgather (the same numbers at one expert-parallel rank)"),
-     {"num_experts": 4, "moe_token_dispatcher_type": "alltoall"}, [], 1),
     (B("an expert bias with softmax routing", "--moe-router-enable-expert-bias needs "
        "--moe-router-score-function sigmoid", "add --moe-router-score-function sigmoid"),
      {"num_experts": 4, "moe_router_enable_expert_bias": True}, [], 1),
@@ -369,9 +377,6 @@ FLAG_CASES: list[tuple[Bad, dict, list[str], int]] = [
     (B("a --moe-layer-freq that is no int or list", "--moe-layer-freq x: expected an int >= 1 "
        "or a list of 0/1", "write it as N or as [1,0,1,0]"),
      {"num_experts": 4, "moe_layer_freq": "x"}, [], 1),
-    (B("MoE with sequence parallelism", "--num-experts 4 with --sequence-parallel: MoE layers "
-       "do not gather the sequence yet; drop --sequence-parallel", "drop --sequence-parallel"),
-     {"num_experts": 4, "tensor_model_parallel_size": 2, "sequence_parallel": True}, [], 2),
     (B("MoE with checkpoints", "--num-experts 4 with --save: checkpoints of MoE models "
        "(Megatron-Core's expert key names) are not supported yet", "drop --save / --load for "
        "MoE runs until MoE checkpoints land"), {"num_experts": 4, "save": "/tmp/x"}, [], 1),

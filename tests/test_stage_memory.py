@@ -248,6 +248,7 @@ def _measure(rank: int, world: int, argv: list[str]) -> tuple[dict, StageMemory]
     state = ParallelState.build(
         parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
         data_parallel_instances=configs.optimizer.num_distributed_optimizer_instances,
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
     )  # fmt: skip
     with contextlib.redirect_stdout(io.StringIO()):
         stepper = Stepper.build(configs, state)

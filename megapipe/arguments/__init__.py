@@ -163,6 +163,7 @@ def parse_args(argv: Sequence[str] | None, world_size: int) -> Configs:
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         context_parallel_size=args.context_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
         cp_comm_type=cp_comm_type(args),
         virtual_pipeline_model_parallel_size=virtual_stages(args),
         pipeline_schedule=args.pipeline_schedule,
@@ -193,7 +194,9 @@ def parse_args(argv: Sequence[str] | None, world_size: int) -> Configs:
         notes.append("--decoupled-min-lr has no effect without --decoupled-lr")
     recompute = recompute_config(args)
     kernels = kernel_config(args)
-    validate_moe_features(model.moe, parallel, recompute, kernels, checkpoint)
+    validate_moe_features(
+        model.moe, parallel, recompute, kernels, checkpoint, optimizer, world_size
+    )
     configs = validate_configs(
         model,
         parallel,

@@ -4,7 +4,7 @@ which are refused by name, and what an unknown flag probably meant.
 A Megatron-LM user's launch script carries flags that only matter on a GPU with fused kernels
 (`--use-cpu-initialization`, `--no-gradient-accumulation-fusion`, ...). Those are accepted and
 reported once at start-up as having no effect, so the script runs unchanged. A Megatron-LM
-feature megapipe does not have yet (`--fp8`, `--expert-model-parallel-size 2`) is refused
+feature megapipe does not have yet (`--fp8`, `--multi-latent-attention`) is refused
 with a line that names it, rather than argparse's generic "unrecognized arguments", and never
 silently ignored.
 """
@@ -68,11 +68,6 @@ UNSUPPORTED_FLAGS: tuple[str, ...] = (
     "--hierarchical-context-parallel-sizes",
 )
 
-# Parallelism kinds megapipe does not have: accepted at their default of 1.
-SIZE_ONE_FLAGS: dict[str, str] = {
-    "--expert-model-parallel-size": "expert parallelism",
-}
-
 
 def refuse_unsupported(argv: Sequence[str]) -> None:
     """ConfigError for the first Megatron-LM flag in `argv` that megapipe does not support."""
@@ -83,7 +78,7 @@ def refuse_unsupported(argv: Sequence[str]) -> None:
 
 
 def add_compat_args(group: argparse._ArgumentGroup) -> None:
-    """Register the accepted-with-no-effect flags and the size-one parallelism flags."""
+    """Register the accepted-with-no-effect flags."""
     for item in NO_EFFECT_FLAGS:
         if item.nargs == 0:
             group.add_argument(
@@ -93,24 +88,10 @@ def add_compat_args(group: argparse._ArgumentGroup) -> None:
             group.add_argument(
                 item.flag, dest=item.dest, default=None, nargs=None, help=argparse.SUPPRESS
             )
-    for name, kind in SIZE_ONE_FLAGS.items():
-        group.add_argument(
-            name,
-            type=int,
-            default=1,
-            help=f"Accepted for Megatron-LM compatibility; {kind} is not supported, so only 1.",
-        )
 
 
 def compat_notes(args: argparse.Namespace) -> list[str]:
-    """One note per no-effect flag the user gave; ConfigError for a size-one flag above 1."""
-    for name, kind in SIZE_ONE_FLAGS.items():
-        value = getattr(args, name.lstrip("-").replace("-", "_"))
-        if value != 1:
-            raise ConfigError(
-                f"{name} {value}: {kind} is a Megatron-LM feature that megapipe does not "
-                "support yet (only 1)"
-            )
+    """One note per no-effect flag the user gave."""
     notes = []
     for item in NO_EFFECT_FLAGS:
         value = getattr(args, item.dest)

@@ -14,12 +14,11 @@ from megapipe.config import (
     CheckpointConfig,
     KernelConfig,
     MoEConfig,
+    OptimizerConfig,
     ParallelConfig,
     RecomputeConfig,
 )
 from megapipe.errors import ConfigError
-
-SUPPORTED_DISPATCHERS = ("allgather",)  # at one expert-parallel rank both are the same local sort
 
 
 def add_moe_args(group: argparse._ArgumentGroup) -> None:
@@ -106,7 +105,10 @@ def add_moe_args(group: argparse._ArgumentGroup) -> None:
         "--moe-token-dispatcher-type",
         default="allgather",
         choices=MOE_DISPATCHERS,
-        help="How tokens reach their experts. Only allgather here (no expert parallelism).",
+        help="How tokens reach experts on other expert-parallel ranks: alltoall (each "
+        "rank's rows to the experts' ranks and back) or allgather (every rank gathers the "
+        "EP group's tokens; a reduce-scatter returns the outputs). Same numbers; at EP 1 "
+        "both are a local sort. Default: allgather.",
     )
     add(
         "--expert-tensor-parallel-size",
@@ -142,23 +144,28 @@ def moe_config(args: argparse.Namespace) -> MoEConfig | None:
             f"--expert-tensor-parallel-size {etp}: experts are split like the dense MLP, so "
             f"only --tensor-model-parallel-size ({tp}) is supported yet"
         )
+    ep = args.expert_model_parallel_size
     if args.num_experts is None:
+        if ep != 1:
+            raise ConfigError(
+                f"--expert-model-parallel-size {ep} needs --num-experts (experts to split)"
+            )
         return None
     e, k = args.num_experts, args.moe_router_topk
     if e < 1:
         raise ConfigError(f"--num-experts {e}: must be at least 1")
     if not 1 <= k <= e:
         raise ConfigError(f"--moe-router-topk {k}: must be between 1 and --num-experts {e}")
+    if ep < 1 or e % ep:
+        raise ConfigError(
+            f"--num-experts {e} is not divisible by --expert-model-parallel-size {ep}: each "
+            "expert-parallel rank holds the same number of experts"
+        )
     factor = args.moe_expert_capacity_factor
     if factor is not None and factor <= 0:
         raise ConfigError(f"--moe-expert-capacity-factor {factor}: must be > 0")
     if args.moe_pad_expert_input_to_capacity and factor is None:
         raise ConfigError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
-    if args.moe_token_dispatcher_type not in SUPPORTED_DISPATCHERS:
-        raise ConfigError(
-            f"--moe-token-dispatcher-type {args.moe_token_dispatcher_type}: megapipe has no "
-            "expert parallelism yet, so only allgather"
-        )
     if args.moe_router_enable_expert_bias and args.moe_router_score_function != "sigmoid":
         raise ConfigError(
             "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (it is "
@@ -209,21 +216,42 @@ def validate_moe_features(
     recompute: RecomputeConfig,
     kernels: KernelConfig,
     checkpoint: CheckpointConfig,
+    optimizer: OptimizerConfig,
+    world_size: int,
 ) -> None:
-    """MoE with a feature it does not work with yet: one line naming the flags."""
+    """MoE with a feature it does not work with yet, or an expert-parallel size that does not
+    fit the layout: one line naming the flags and numbers."""
     if moe is None:
         return
     e = moe.num_experts
+    ep = parallel.expert_model_parallel_size
+    if ep > 1:
+        cp = parallel.context_parallel_size
+        dp_cp = parallel.data_parallel_size(world_size) * cp
+        if dp_cp % ep:
+            raise ConfigError(
+                f"--expert-model-parallel-size {ep} does not divide data-parallel x "
+                f"context-parallel size {dp_cp} (world {world_size} / (TP "
+                f"{parallel.tensor_model_parallel_size} x PP "
+                f"{parallel.pipeline_model_parallel_size})): EP ranks are taken from DP x CP"
+            )
+        sharding = optimizer.data_parallel_sharding_strategy
+        if sharding in ("optim_grads", "optim_grads_params"):
+            raise ConfigError(
+                f"--expert-model-parallel-size {ep} with ZeRO-2/3 (--use-torch-fsdp2 or "
+                f"--data-parallel-sharding-strategy {sharding}): sharded experts are not "
+                "supported yet; use --use-distributed-optimizer"
+            )
+        if optimizer.num_distributed_optimizer_instances > 1:
+            raise ConfigError(
+                f"--expert-model-parallel-size {ep} with --num-distributed-optimizer-instances "
+                f"{optimizer.num_distributed_optimizer_instances}: not supported yet"
+            )
     if checkpoint.save is not None or checkpoint.load is not None:
         given = "--save" if checkpoint.save is not None else "--load"
         raise ConfigError(
             f"--num-experts {e} with {given}: checkpoints of MoE models (Megatron-Core's "
             "expert key names) are not supported yet"
-        )
-    if parallel.sequence_parallel and parallel.tensor_model_parallel_size > 1:
-        raise ConfigError(
-            f"--num-experts {e} with --sequence-parallel: MoE layers do not gather the "
-            "sequence yet; drop --sequence-parallel"
         )
     if parallel.context_parallel_size > 1:
         raise ConfigError(

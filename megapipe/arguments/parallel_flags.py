@@ -40,6 +40,13 @@ def add_distributed_args(group: argparse._ArgumentGroup) -> None:
         "place; sizes above 1 are refused until its attention is wired into training.",
     )
     group.add_argument(
+        "--expert-model-parallel-size",
+        type=int,
+        default=1,
+        help="Degree of expert parallelism (MoE): each MoE layer's experts split over this "
+        "many ranks of each data-parallel x context-parallel group. Default: 1.",
+    )
+    group.add_argument(
         "--cp-comm-type",
         nargs="+",
         default=["p2p"],

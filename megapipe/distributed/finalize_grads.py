@@ -22,17 +22,18 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.tensor import DTensor
 
-from megapipe.distributed.grad_norm import gradient
+from megapipe.distributed.grad_norm import gradient, is_expert
 from megapipe.parallel.state import Group, ParallelState
 
 
 def _all_reduce_coalesced(
     grads: list[torch.Tensor], group: Group | None, scale: float = 1.0
 ) -> None:
-    if not grads or group is None or group.size == 1:
+    if not grads or group is None or (group.size == 1 and scale == 1.0):
         return
     flat = _flatten_dense_tensors(grads)
-    dist.all_reduce(flat, group=group.pg)
+    if group.size > 1:
+        dist.all_reduce(flat, group=group.pg)
     if scale != 1.0:
         flat.mul_(scale)
     for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
@@ -69,8 +70,11 @@ def finalize_model_grads(chunks: Sequence[torch.nn.Module], state: ParallelState
         _all_reduce_coalesced(tied_embedding_grads(chunks), state.embedding)
     if reduce_dp:
         plain = [
-            p.grad
-            for p in params
-            if not hasattr(p, "main_grad") and not isinstance(p.grad, DTensor)
+            p for p in params if not hasattr(p, "main_grad") and not isinstance(p.grad, DTensor)
         ]
-        _all_reduce_coalesced(plain, state.dp_cp, 1.0 / state.dp_cp.size)
+        experts = [p.grad for p in plain if state.ep.size > 1 and is_expert(p)]
+        dense = [p.grad for p in plain if not (state.ep.size > 1 and is_expert(p))]
+        _all_reduce_coalesced(dense, state.dp_cp, 1.0 / state.dp_cp.size)
+        # experts: summed where the same ones live, divided by DP x CP all the same (their
+        # gradients already hold every EP rank's tokens' contributions)
+        _all_reduce_coalesced(experts, state.expert_dp, 1.0 / state.dp_cp.size)

@@ -89,16 +89,19 @@ class GradBuffer:
         activity: Activity | None = None,
         replicas: Group | None = None,
         group_name: str = "data-parallel group",
+        average_over: int | None = None,
     ) -> None:
         """`dp`: the group the gradients are averaged over (DP, or DP x CP). `replicas`: hybrid
         sharding (--num-distributed-optimizer-instances with the distributed optimizer): `dp`
         is this rank's instance, the shards are all-reduced over `replicas` (the same shard in
         every other instance) after the reduce-scatter. `group_name`: how the watchdog's
-        messages name `dp`."""
+        messages name `dp`. `average_over`: what the summed gradient is divided by when that
+        is not the group's size: MoE experts are reduced over their expert-data-parallel group
+        but, holding every EP rank's tokens' contributions already, divided by DP x CP."""
         self.dp = dp
         self.group_name = group_name
         self.replicas = replicas if replicas is not None and replicas.size > 1 else None
-        self.average_over = dp.size * (self.replicas.size if self.replicas else 1)
+        self.average_over = average_over or dp.size * (self.replicas.size if self.replicas else 1)
         self.activity = activity or Activity()  # what this rank waits in (watchdog, faults)
         self.num_microbatches = num_microbatches
         self.overlap = overlap
@@ -229,10 +232,11 @@ class GradBuffer:
     def _start(self, bucket: Bucket) -> None:
         bucket.started = True
         self.started_before_finish += not self._finishing
-        if self.average_over == 1:
-            return
         data = self.grad_data[bucket.start : bucket.end]
-        data.div_(self.average_over)
+        if self.average_over != 1:
+            data.div_(self.average_over)
+        if self.dp.size == 1:
+            return
         if self.shard:
             bucket.scattered = torch.empty_like(data[: data.numel() // self.dp.size])
             bucket.work = reduce_scatter_single(

@@ -28,6 +28,12 @@ def counted_in_norm(param: torch.nn.Parameter, tp_rank: int) -> bool:
     return meta.is_tensor_parallel or tp_rank == 0
 
 
+def is_expert(param: torch.nn.Parameter) -> bool:
+    """An MoE expert parameter (split over expert parallelism, reduced over expert DP)."""
+    meta = getattr(param, "meta", None)
+    return meta is not None and meta.expert_parallel
+
+
 def gradient(param: torch.nn.Parameter) -> torch.Tensor | None:
     """The gradient the optimizer uses: the fp32 `main_grad` when a GradBuffer owns the param,
     this rank's shard of it when FSDP2 does (a DTensor's local part), else `.grad`."""
@@ -84,10 +90,12 @@ def sum_of_squares(
 
 def global_grad_norm(params: Iterable[torch.nn.Parameter], state: ParallelState) -> float:
     """sqrt(sum of squared gradient entries of the full model), same value on every rank."""
-    grads = [
-        gradient(p) for p in params if gradient(p) is not None and counted_in_norm(p, state.tp.rank)
-    ]
-    total = sum_of_squares(grads, state.device)
+    counted = [p for p in params if gradient(p) is not None and counted_in_norm(p, state.tp.rank)]
+    total = sum_of_squares([gradient(p) for p in counted if not is_expert(p)], state.device)
+    experts = sum_of_squares([gradient(p) for p in counted if is_expert(p)], state.device)
+    if state.ep.size > 1:  # EP ranks (same TP and PP rank) hold different experts
+        dist.all_reduce(experts, group=state.ep.pg)
+    total += experts
     if state.model_parallel.size > 1:
         dist.all_reduce(total, group=state.model_parallel.pg)
     return float(total.sqrt())

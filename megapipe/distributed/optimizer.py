@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from megapipe.config import OptimizerConfig
 from megapipe.distributed.grad_buffer import GradBuffer
-from megapipe.distributed.grad_norm import counted_in_norm, sum_of_squares
+from megapipe.distributed.grad_norm import counted_in_norm, is_expert, sum_of_squares
 from megapipe.distributed.loss_scaler import found_inf_or_nan
 from megapipe.errors import MegapipeError
 from megapipe.parallel.state import ParallelState
@@ -212,7 +212,15 @@ class ShardedOptimizer:
         self._grad_runs = [run.grads() for run in runs]
         counted = [p for p in self.pieces if counted_in_norm(p.param, tp_rank)]
         others = [p for p in self.pieces if not counted_in_norm(p.param, tp_rank)]
+        # Expert parallelism: EP ranks hold different experts (their own buffers, reduced over
+        # fewer ranks than the dense parameters), so the norm sums the two parts apart
+        # (`_whole_model_sum`).
+        self._expert_parallel = state.ep.size > 1
+        self._is_expert = [self._expert_parallel and is_expert(p.param) for p in self.pieces]
+        experts = [p for p in counted if self._expert_parallel and is_expert(p.param)]
+        counted = [p for p in counted if not (self._expert_parallel and is_expert(p.param))]
         self._norm_runs = [run.grads() for run in merged_runs(counted, buffers)]
+        self._expert_norm_runs = [run.grads() for run in merged_runs(experts, buffers)]
         # TP replicas counted on another rank: their sum enters the norm times 0, so a NaN/Inf
         # in this rank's copy still makes the norm non-finite (a fault on one rank only).
         self._uncounted_runs = [run.grads() for run in merged_runs(others, buffers)]
@@ -278,11 +286,24 @@ class ShardedOptimizer:
         total = sum_of_squares(self._norm_runs, self.state.device)
         if self._uncounted_runs:
             total += 0.0 * sum_of_squares(self._uncounted_runs, self.state.device)
-        return math.sqrt(self._whole_model_sum(total))
+        experts = sum_of_squares(self._expert_norm_runs, self.state.device)
+        return math.sqrt(self._whole_model_sum(total, experts))
 
-    def _whole_model_sum(self, total: torch.Tensor) -> float:
+    def _whole_model_sum(self, total: torch.Tensor, experts: torch.Tensor | None = None) -> float:
         """This rank's float64 sum over the elements it counts -> the whole model's (collective):
-        over the world when sharded, else the model-parallel group; replicas divided out."""
+        over the world when sharded, else the model-parallel group; replicas divided out.
+
+        With expert parallelism `total` is the dense parameters' part and `experts` the
+        experts': one all-reduce over the world, each part divided by how many ranks hold the
+        same elements (none when sharded; else DP x CP for dense, the expert-DP size for
+        experts, whose EP ranks hold different ones)."""
+        if self._expert_parallel:
+            if not self.sharded:
+                total = total / self.state.dp_cp.size + experts / self.state.expert_dp.size
+            elif experts is not None:
+                total = total + experts
+            dist.all_reduce(total, group=self.state.world.pg)
+            return float(total)
         group = self.state.world if self.sharded else self.state.model_parallel
         if group.size > 1:
             dist.all_reduce(total, group=group.pg)
@@ -292,16 +313,22 @@ class ShardedOptimizer:
         """L2 norm of the whole model's fp32 master weights (--log-params-norm), each element
         counted once exactly as `grad_norm` counts the gradient's; same on every rank."""
         tp_rank = self.state.tp.rank
-        pairs = zip(self.masters, self.pieces)
-        counted = [m for m, piece in pairs if counted_in_norm(piece.param, tp_rank)]
-        return math.sqrt(self._whole_model_sum(sum_of_squares(counted, self.state.device)))
+        counted: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        for master, piece, expert in zip(self.masters, self.pieces, self._is_expert):
+            if counted_in_norm(piece.param, tp_rank):
+                counted[expert].append(master)
+        dense, experts = (sum_of_squares(c, self.state.device) for c in counted)
+        return math.sqrt(self._whole_model_sum(dense, experts))
 
     def num_zeros_in_grad(self) -> float:
         """Zero elements of the whole model's fp32 gradient (--log-num-zeros-in-grad), counted
         as `grad_norm` counts; call it after `step` and before `zero_grad`."""
-        zeros = sum(g.numel() - int(torch.count_nonzero(g)) for g in self._norm_runs)
-        total = torch.tensor(float(zeros), dtype=torch.float64, device=self.state.device)
-        return self._whole_model_sum(total)
+
+        def zeros(runs: list[torch.Tensor]) -> torch.Tensor:
+            count = sum(g.numel() - int(torch.count_nonzero(g)) for g in runs)
+            return torch.tensor(float(count), dtype=torch.float64, device=self.state.device)
+
+        return self._whole_model_sum(zeros(self._norm_runs), zeros(self._expert_norm_runs))
 
     def set_weight_decay(self, weight_decay: float) -> None:
         """The decayed groups' weight decay (a resumed schedule's, which may not be the

@@ -112,6 +112,7 @@ class Decoder(torch.nn.Module):
         choices: KernelChoices | None = None,
         cp: Group | None = None,
         moe_losses: MoELosses | None = None,
+        ep: Group | None = None,
     ) -> None:
         super().__init__()
         recompute = recompute or RecomputeConfig()
@@ -132,6 +133,7 @@ class Decoder(torch.nn.Module):
                     fp8_scope=self.fp8,
                     cp=cp,
                     moe_losses=moe_losses,
+                    ep=ep,
                 )
                 for i in layers
             }
@@ -253,6 +255,7 @@ class GPTModel(torch.nn.Module):
             choices,
             state.cp,
             self.moe_losses,
+            state.ep,
         )
         self.cp = state.cp  # context parallelism: this rank holds its chunks of each sequence
         self.output_layer = None
@@ -280,7 +283,7 @@ class GPTModel(torch.nn.Module):
                 weight=weight,
             )
         self._mark_embedding_and_output()
-        initialize_parameters(self, seed, tp.rank, tp.size)
+        initialize_parameters(self, seed, tp.rank, tp.size, state.ep.rank, state.ep.size)
         self.to(state.device)
 
     def forward(

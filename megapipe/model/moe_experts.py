@@ -1,6 +1,7 @@
 """The experts of one MoE layer: every expert's fc1 and fc2 stacked by global expert id
 (weight1 [E, fc1, h], weight2 [E, h, ffn], as nn.Linear's [out, in] per expert), split over TP
-like the dense MLP (fc1's rows, with SwiGLU's [gate; up] as two blocks; fc2's columns).
+like the dense MLP (fc1's rows, with SwiGLU's [gate; up] as two blocks; fc2's columns), and
+over expert parallelism by expert: EP rank r holds experts [r E / EP, (r + 1) E / EP).
 
 Input rows arrive grouped by expert (`counts[e]` rows for expert e, in expert order); each
 group goes through its expert's MLP, by one GEMM per expert or by torch's grouped matmul
@@ -37,10 +38,15 @@ class Experts(torch.nn.Module):
         *,
         output_init_std: float,
         grouped_gemm: bool = False,
+        ep: Group | None = None,
     ) -> None:
+        """num_experts: the layer's (global) count; this rank holds num_experts / EP."""
         super().__init__()
         self.tp = tp
-        self.num_experts = num_experts
+        ep_size = ep.size if ep is not None else 1
+        if num_experts % ep_size:
+            raise ValueError(f"{num_experts} experts do not split over {ep_size} EP ranks")
+        self.num_experts = num_experts // ep_size  # local experts
         self.swiglu, self.squared_relu = config.swiglu, config.squared_relu
         self.gelu_approximate = "tanh" if config.openai_gelu else "none"
         self.grouped_gemm = grouped_gemm and grouped_mm_available()
@@ -48,19 +54,26 @@ class Experts(torch.nn.Module):
         stride = 2 if config.swiglu else 1
         fc1 = ffn_hidden_size * stride
         std = config.init_method_std
+        expert = {"expert_parallel": True}
         self.weight1 = make_param(
-            ParamMeta((e, fc1, h), tp_dim=1, tp_stride=stride, init_std=std), tp.size
+            ParamMeta((e, fc1, h), tp_dim=1, tp_stride=stride, init_std=std, **expert),
+            tp.size,
+            ep_size,
         )
         self.weight2 = make_param(
-            ParamMeta((e, h, ffn_hidden_size), tp_dim=2, init_std=output_init_std), tp.size
+            ParamMeta((e, h, ffn_hidden_size), tp_dim=2, init_std=output_init_std, **expert),
+            tp.size,
+            ep_size,
         )
         self.bias1 = self.bias2 = None
         if config.add_bias_linear:
-            self.bias1 = make_param(ParamMeta((e, fc1), tp_dim=1, tp_stride=stride), tp.size)
-            self.bias2 = make_param(ParamMeta((e, h)), tp.size)
+            self.bias1 = make_param(
+                ParamMeta((e, fc1), tp_dim=1, tp_stride=stride, **expert), tp.size, ep_size
+            )
+            self.bias2 = make_param(ParamMeta((e, h), **expert), tp.size, ep_size)
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """x [n, h] grouped by expert (counts[e] rows each) -> [n, h], same order."""
+        """x [n, h] grouped by local expert (counts[e] rows each) -> [n, h], same order."""
         if self.tp.size > 1:
             x = copy_to_tp_region(x, self.tp)
         expert_of_row = None

@@ -68,11 +68,13 @@ class TransformerLayer(torch.nn.Module):
         fp8_scope: FP8Scope | None = None,
         cp: Group | None = None,
         moe_losses: MoELosses | None = None,
+        ep: Group | None = None,
     ) -> None:
         """choices: the fused kernels chosen for this run (None: plain torch everywhere);
         fp8_scope: the chunk's FP8 autocast (TE layers; default: the layer's own);
         cp: the context-parallel group (None: one rank holds whole sequences);
-        moe_losses: where an MoE layer records its auxiliary losses (the model's)."""
+        moe_losses: where an MoE layer records its auxiliary losses (the model's);
+        ep: the expert-parallel group an MoE layer splits its experts over (None: one rank)."""
         super().__init__()
         recompute = recompute or RecomputeConfig()
         kernels = kernels or KernelConfig()
@@ -116,6 +118,8 @@ class TransformerLayer(torch.nn.Module):
                 output_init_std=output_std,
                 layer_number=layer_number,
                 losses=moe_losses,
+                ep=ep,
+                sequence_parallel=sp,
             )
         else:
             self.mlp = MLP(

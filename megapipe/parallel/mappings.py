@@ -12,6 +12,7 @@ collective with its adjoint in backward:
 | scatter_to_sequence_parallel_region       | split dim 0 (sequence)  | all-gather dim 0      |
 | gather_from_sequence_parallel_region      | all-gather dim 0        | reduce-scatter dim 0  |
 | reduce_scatter_to_sequence_parallel_region| reduce-scatter dim 0    | all-gather dim 0      |
+| all_to_all_rows                           | all-to-all of dim 0     | the reverse all-to-all|
 
 Activations are [sequence, batch, hidden], so sequence-parallel shards are contiguous slices.
 Every function returns its input unchanged for a group of one: TP=1 pays nothing.
@@ -209,6 +210,28 @@ class _ReduceScatterSequence(torch.autograd.Function):
         return all_gather_along(grad, 0, ctx.group), None
 
 
+class _AllToAllRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, send, receive, group):
+        ctx.send, ctx.receive, ctx.group = send, receive, group
+        return exchange_rows(x, send, receive, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return exchange_rows(grad, ctx.receive, ctx.send, ctx.group), None, None, None
+
+
+def exchange_rows(
+    x: torch.Tensor, send: list[int], receive: list[int], group: Group
+) -> torch.Tensor:
+    """All-to-all of rows (no autograd): send[j] rows of `x`, in order, to rank j; returns the
+    receive[j] rows from each rank j, in rank order."""
+    x = x.contiguous()
+    out = x.new_empty((sum(receive), *x.shape[1:]))
+    dist.all_to_all_single(out, x, receive, send, group=group.pg)
+    return out
+
+
 def copy_to_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Megatron's f: enter a TP region (identity forward, all-reduce backward)."""
     return x if group.size == 1 else _CopyToRegion.apply(x, group)
@@ -244,3 +267,11 @@ def gather_from_sequence_parallel_region(
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Sum partial results and keep this rank's sequence slice, after a row-parallel layer."""
     return x if group.size == 1 else _ReduceScatterSequence.apply(x, group)
+
+
+def all_to_all_rows(
+    x: torch.Tensor, send: list[int], receive: list[int], group: Group
+) -> torch.Tensor:
+    """Send send[j] rows of `x` (dim 0, in order) to rank j, receive receive[j] from each
+    (the MoE token exchange); backward sends the gradients back the same way reversed."""
+    return x if group.size == 1 else _AllToAllRows.apply(x, send, receive, group)

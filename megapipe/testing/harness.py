@@ -155,6 +155,7 @@ def train_with_flags(rank: int, world_size: int, argv: list[str]) -> tuple[list,
         parallel.pipeline_model_parallel_size,
         context_parallel_size=parallel.context_parallel_size,
         data_parallel_instances=configs.optimizer.num_distributed_optimizer_instances,
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
     )
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

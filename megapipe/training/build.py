@@ -21,6 +21,7 @@ from megapipe.data.sources import BatchSources, build_batch_sources
 from megapipe.distributed.fsdp import describe_sharding, shard_chunks, uses_fsdp
 from megapipe.distributed.fsdp_optimizer import FSDPOptimizer
 from megapipe.distributed.grad_buffer import GradBuffer
+from megapipe.distributed.grad_norm import is_expert
 from megapipe.distributed.loss_scaler import make_loss_scaler
 from megapipe.distributed.optimizer import ShardedOptimizer
 from megapipe.layers.linear import set_tp_comm_overlap
@@ -241,9 +242,10 @@ def build_optimizer(
     group_name = "data-parallel group"
     if state.cp.size > 1:
         group_name = "data-parallel x context-parallel group"
+    expert_parallel = state.ep.size > 1
     buffers = [
         GradBuffer(
-            list(chunk.parameters()),
+            [p for p in chunk.parameters() if not (expert_parallel and is_expert(p))],
             group,
             num_microbatches=num_microbatches,
             bucket_size=opt.ddp_bucket_size,
@@ -256,6 +258,23 @@ def build_optimizer(
         )
         for chunk in chunks
     ]
+    if expert_parallel:  # experts: reduced (and sharded) over the ranks holding the same ones
+        experts = [[p for p in chunk.parameters() if is_expert(p)] for chunk in chunks]
+        buffers += [
+            GradBuffer(
+                params,
+                state.expert_dp,
+                num_microbatches=num_microbatches,
+                bucket_size=opt.ddp_bucket_size,
+                overlap=opt.overlap_grad_reduce,
+                shard=shard,
+                activity=activity,
+                group_name="expert-data-parallel group",
+                average_over=state.dp_cp.size,
+            )
+            for params in experts
+            if params
+        ]
     optimizer = ShardedOptimizer(
         buffers, state, opt, configs.training.lr, scaler, decoupled=decoupled
     )
