@@ -380,9 +380,11 @@ FLAG_CASES: list[tuple[Bad, dict, list[str], int]] = [
     (B("MoE with checkpoints", "--num-experts 4 with --save: checkpoints of MoE models "
        "(Megatron-Core's expert key names) are not supported yet", "drop --save / --load for "
        "MoE runs until MoE checkpoints land"), {"num_experts": 4, "save": "/tmp/x"}, [], 1),
-    (B("MoE with context parallelism", "--num-experts 4 with --context-parallel-size 2: not "
-       "supported yet", "drop --context-parallel-size"),
-     {"num_experts": 4, "context_parallel_size": 2}, [], 2),
+    (B("an MoE capacity factor with context parallelism", "--moe-expert-capacity-factor 1.0 "
+       "with --context-parallel-size 2: an expert's capacity is taken over the whole "
+       "micro-batch, which no CP rank holds; drop the capacity factor (dropless) under CP",
+       "drop --moe-expert-capacity-factor under CP (dropless routing)"),
+     {"num_experts": 4, "context_parallel_size": 2, "moe_expert_capacity_factor": 1.0}, [], 2),
     (B("MoE with recomputation of the MLP", "--num-experts 4 with --recompute-granularity full "
        "(uniform, 1 layer): recomputing an MoE layer is not supported yet",
        "drop the recomputation flags (or recompute core_attn only)"),

@@ -11,6 +11,7 @@ one-rank losses and grad norms (fp32, 1e-5), and a capacity factor drops the sam
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -127,6 +128,8 @@ LAYOUTS = {
     "EP2 x TP2 SP allgather": (4, _ep(2, "allgather") + TP2 + ["--sequence-parallel"]),
     "EP2 x PP2 alltoall, distributed optimizer": (
         4, _ep(2, "alltoall") + PP2 + ["--use-distributed-optimizer"]),
+    "CP2 (aux loss, z-loss)": (2, ["--context-parallel-size", "2"]),
+    "CP2 x DP2 with EP4 allgather": (4, _ep(4, "allgather") + ["--context-parallel-size", "2"]),
     "TP2 x PP2 x DP2 with EP2 alltoall SP, grouped GEMM": (
         8, _ep(2, "alltoall") + TP2 + PP2 + ["--sequence-parallel", "--moe-grouped-gemm"]),
 }  # fmt: skip
@@ -139,11 +142,20 @@ def _worst(one: list[dict], other: list[dict]) -> float:
     return max(abs(a - b) / abs(a) for a, b in pairs)
 
 
+COUNT = re.compile(r"model parallel rank \(0, 0\): (\d+)(?: on expert parallel rank (\d) of 2, "
+                   r"of which (\d+) in its 2 experts per MoE layer \(4 in all\))?")  # fmt: skip
+
+
 def test_expert_parallel_layouts_train_to_the_one_rank_losses_and_grad_norms() -> None:
-    (one, _), = run_distributed(_train, 1, ARGV)  # fmt: skip
+    (one, one_log), = run_distributed(_train, 1, ARGV)  # fmt: skip
     for layout, (world, flags) in LAYOUTS.items():
         ranks = run_distributed(_train, world, ARGV + flags)
         other, log = ranks[-1]
+        if layout == "EP2 alltoall":  # each EP rank states its share of the experts
+            total = int(COUNT.search(one_log).group(1))
+            (n0, r0, x0), (n1, r1, x1) = (COUNT.search(log).groups() for _, log in ranks)
+            assert (r0, r1) == ("0", "1") and x0 == x1, (r0, r1, x0, x1)
+            assert int(n0) == int(n1) and int(n0) - int(x0) + 2 * int(x0) == total
         worst = _worst(one, other)
         print(f"\n{layout}: largest relative difference {worst:.2e} over {len(one)} steps")
         assert worst <= 1e-5, (layout, one, other)
@@ -162,3 +174,17 @@ def test_capacity_dropping_at_ep2_equals_one_rank() -> None:
     worst = _worst(one, other)
     print(f"\ncapacity 0.5 at EP2 (alltoall; the layer test covers allgather): {worst:.2e}")
     assert worst <= 1e-5
+
+
+def test_context_parallel_moe_with_per_sequence_balancing_equals_one_rank() -> None:
+    """seq_aux_loss counts each whole sequence's routing, which CP splits over ranks."""
+    argv = ARGV + ["--moe-router-load-balancing-type", "seq_aux_loss"]
+    (one, _), = run_distributed(_train, 1, argv)  # fmt: skip
+    assert "seq_load_balancing_loss" in one[0]["moe_losses"]
+    other = run_distributed(_train, 4, argv + ["--context-parallel-size", "2"] + _ep(2, "alltoall"))
+    worst = _worst(one, other[-1][0])
+    print(f"\nCP2 x DP2 with EP2, seq_aux_loss: {worst:.2e}")
+    assert worst <= 1e-5
+    for a, b in zip(one, other[-1][0]):
+        for key, value in a["moe_losses"].items():
+            assert abs(value - b["moe_losses"][key]) <= 1e-5 * value, key

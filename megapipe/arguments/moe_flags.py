@@ -235,6 +235,12 @@ def validate_moe_features(
                 f"{parallel.tensor_model_parallel_size} x PP "
                 f"{parallel.pipeline_model_parallel_size})): EP ranks are taken from DP x CP"
             )
+        if checkpoint.save is not None and checkpoint.ckpt_format == "torch":
+            raise ConfigError(
+                f"--expert-model-parallel-size {ep} with --ckpt-format torch: the legacy format "
+                "is written per (TP, PP) rank and would lose the other EP ranks' experts; use "
+                "--ckpt-format torch_dist"
+            )
         sharding = optimizer.data_parallel_sharding_strategy
         if sharding in ("optim_grads", "optim_grads_params"):
             raise ConfigError(
@@ -253,10 +259,12 @@ def validate_moe_features(
             f"--num-experts {e} with {given}: checkpoints of MoE models (Megatron-Core's "
             "expert key names) are not supported yet"
         )
-    if parallel.context_parallel_size > 1:
+    cp = parallel.context_parallel_size
+    if cp > 1 and moe.moe_expert_capacity_factor is not None:
         raise ConfigError(
-            f"--num-experts {e} with --context-parallel-size {parallel.context_parallel_size}: "
-            "not supported yet"
+            f"--moe-expert-capacity-factor {moe.moe_expert_capacity_factor} with "
+            f"--context-parallel-size {cp}: an expert's capacity is taken over the whole "
+            "micro-batch, which no CP rank holds; drop the capacity factor (dropless) under CP"
         )
     if recompute.full or recompute.selective("mlp"):
         raise ConfigError(

@@ -51,6 +51,7 @@ class MoELayer(torch.nn.Module):
         losses: MoELosses | None = None,
         ep: Group | None = None,
         sequence_parallel: bool = False,
+        cp: Group | None = None,
     ) -> None:
         super().__init__()
         moe = config.moe
@@ -58,7 +59,7 @@ class MoELayer(torch.nn.Module):
         self.sequence_parallel = sequence_parallel and tp.size > 1
         self.dispatcher = moe.moe_token_dispatcher_type
         self.losses = losses or MoELosses(config.num_layers)
-        self.router = Router(moe, config.hidden_size, config.init_method_std, self.losses)
+        self.router = Router(moe, config.hidden_size, config.init_method_std, self.losses, cp)
         self.router.layer_number = layer_number
         self.experts = Experts(
             config,
@@ -96,8 +97,8 @@ class MoELayer(torch.nn.Module):
 
 def update_expert_biases(chunks: Sequence[torch.nn.Module], dp: Group) -> None:
     """After a training step: each router with an expert bias moves it toward balance from the
-    tokens its experts got over the step, summed over DP (collective over DP: every rank of a
-    DP group holds the same layers). TP ranks count the same whole tokens already."""
+    tokens its experts got over the step, summed over `dp` (DP x CP: collective there, every
+    rank of it holds the same layers). TP ranks count the same whole tokens already."""
     for chunk in chunks:
         for module in chunk.modules():
             if isinstance(module, Router) and module.expert_bias is not None:

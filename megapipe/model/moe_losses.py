@@ -76,8 +76,8 @@ def reduce_moe_losses(
     chunks: Sequence[torch.nn.Module], state: ParallelState, num_microbatches: int
 ) -> dict[str, float]:
     """Each auxiliary loss of the step: summed over micro-batches and MoE layers, divided by
-    micro-batches x MoE layers, averaged over DP (collective over PP and DP: every rank calls
-    it). Empty for a dense model."""
+    micro-batches x MoE layers, averaged over DP x CP (collective over PP and DP x CP: every
+    rank calls it). Empty for a dense model."""
     config = getattr(chunks[0], "config", None)
     moe = getattr(config, "moe", None)
     if moe is None:
@@ -97,9 +97,9 @@ def reduce_moe_losses(
                 table[i] += losses.values[name].to(state.device)
     if state.pp.size > 1:
         dist.all_reduce(table, group=state.pp.pg)
-    if state.dp.size > 1:
-        dist.all_reduce(table, group=state.dp.pg)
-        table /= state.dp.size
+    if state.dp_cp.size > 1:  # CP ranks' losses average to their micro-batch's (moe_router)
+        dist.all_reduce(table, group=state.dp_cp.pg)
+        table /= state.dp_cp.size
     moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_layers))
     sums = table.sum(dim=1).cpu() / (num_microbatches * moe_layers)
     return {name: float(value) for name, value in zip(names, sums)}

@@ -14,11 +14,13 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from megapipe.config import MoEConfig
 from megapipe.layers.param_meta import ParamMeta, make_param
 from megapipe.model.moe_losses import Z_LOSS, MoELosses, attach, balancing_loss_name
+from megapipe.parallel.state import Group
 
 
 def topk_routing(
@@ -89,23 +91,46 @@ def aux_loss_scores(
     return scores, torch.zeros_like(scores, dtype=torch.bool).scatter(1, chosen, True)
 
 
+def _summed(counts: torch.Tensor, cp: Group | None) -> tuple[torch.Tensor, int]:
+    """Routing counts summed over the context-parallel group (a whole sequence's), and the
+    group's size (1 without CP)."""
+    if cp is None or cp.size == 1:
+        return counts, 1
+    counts = counts.clone()
+    dist.all_reduce(counts, group=cp.pg)
+    return counts, cp.size
+
+
 def switch_load_balancing_loss(
-    scores: torch.Tensor, routing_map: torch.Tensor, topk: int
+    scores: torch.Tensor, routing_map: torch.Tensor, topk: int, cp: Group | None = None
 ) -> torch.Tensor:
-    """E x sum_i f_i P_i: f_i = tokens routed to i / (T x topk), P_i = mean score of i."""
+    """E x sum_i f_i P_i: f_i = tokens routed to i / (T x topk), P_i = mean score of i.
+
+    Under context parallelism (`cp`) f counts the whole micro-batch (summed over CP) and P
+    this rank's tokens: the CP ranks' losses then average to the whole micro-batch's loss, and
+    each rank's gradient is CP x its tokens' share, which the gradients' average over DP x CP
+    turns into the one-rank gradient (the LM loss's convention)."""
     num_tokens, num_experts = scores.shape
-    f = routing_map.sum(dim=0).to(scores.dtype) / (num_tokens * topk)
+    counts, parts = _summed(routing_map.sum(dim=0).to(scores.dtype), cp)
+    f = counts / (num_tokens * parts * topk)
     return num_experts * torch.sum(f * scores.mean(dim=0))
 
 
 def sequence_load_balancing_loss(
-    scores: torch.Tensor, routing_map: torch.Tensor, topk: int, seq_length: int, batch: int
+    scores: torch.Tensor,
+    routing_map: torch.Tensor,
+    topk: int,
+    seq_length: int,
+    batch: int,
+    cp: Group | None = None,
 ) -> torch.Tensor:
-    """The switch loss of each sequence alone, averaged over the micro-batch's sequences."""
+    """The switch loss of each sequence alone, averaged over the micro-batch's sequences
+    (`seq_length`: this rank's part under CP, whose counts are summed over `cp` as above)."""
     num_experts = scores.shape[1]
     scores = scores.view(seq_length, batch, num_experts)
     counts = routing_map.view(seq_length, batch, num_experts).sum(dim=0).to(scores.dtype)
-    f = counts / (seq_length * topk)
+    counts, parts = _summed(counts, cp)
+    f = counts / (seq_length * parts * topk)
     return (num_experts * f * scores.mean(dim=0)).sum(dim=1).mean()
 
 
@@ -120,10 +145,17 @@ class Router(torch.nn.Module):
     each step from the tokens each expert got (`tokens_per_expert`, counted in training)."""
 
     def __init__(
-        self, config: MoEConfig, hidden_size: int, init_std: float, losses: MoELosses
+        self,
+        config: MoEConfig,
+        hidden_size: int,
+        init_std: float,
+        losses: MoELosses,
+        cp: Group | None = None,
     ) -> None:
+        """cp: the context-parallel group, over which the balancing losses count routing."""
         super().__init__()
         self.config = config
+        self.cp = cp
         self.losses = losses
         self.layer_number = 0  # set by the MoE layer (keys the recorded losses)
         e = config.num_experts
@@ -169,9 +201,9 @@ class Router(torch.nn.Module):
         if training and balancing != "none" and config.moe_aux_loss_coeff > 0:
             scores, loss_map = aux_loss_scores(logits, k, config.moe_router_score_function)
             if balancing == "aux_loss":
-                loss = switch_load_balancing_loss(scores, loss_map, k)
+                loss = switch_load_balancing_loss(scores, loss_map, k, self.cp)
             else:
-                loss = sequence_load_balancing_loss(scores, loss_map, k, seq_length, batch)
+                loss = sequence_load_balancing_loss(scores, loss_map, k, seq_length, batch, self.cp)
             probs = attach(probs, loss * config.moe_aux_loss_coeff, self.losses)
             self.losses.record(balancing_loss_name(balancing), self.layer_number, loss)
         if training and self.expert_bias is not None:

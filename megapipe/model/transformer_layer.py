@@ -120,6 +120,7 @@ class TransformerLayer(torch.nn.Module):
                 losses=moe_losses,
                 ep=ep,
                 sequence_parallel=sp,
+                cp=cp,
             )
         else:
             self.mlp = MLP(

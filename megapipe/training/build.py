@@ -154,9 +154,17 @@ def _announce_model(configs: Configs, state: ParallelState, chunks: list[GPTMode
         configs.optimizer.params_dtype, attention_dropout=configs.model.attention_dropout,
         reset_attention_mask=configs.data.reset_attention_mask,
         softmax=chunks[0].kernel_choices.chosen["masked_softmax"]))  # fmt: skip
-    if state.dp_cp.rank == 0:  # one line per model-parallel rank (CP ranks hold the same)
-        count = sum(p.numel() for chunk in chunks for p in chunk.parameters())
-        print_line(parameter_count_line(state.tp_rank, state.pp_rank, count))
+    # one line per model-parallel rank (CP ranks hold the same); with expert parallelism one
+    # per EP rank too, which hold different experts
+    if state.expert_dp.rank == 0:  # expert DP is DP x CP without expert parallelism
+        params = [p for chunk in chunks for p in chunk.parameters()]
+        count = sum(p.numel() for p in params)
+        experts = None
+        if state.ep.size > 1:
+            local = configs.model.moe.num_experts // state.ep.size
+            in_experts = sum(p.numel() for p in params if is_expert(p))
+            experts = (state.ep.rank, state.ep.size, in_experts, local)
+        print_line(parameter_count_line(state.tp_rank, state.pp_rank, count, experts))
 
 
 def stage_map_for(configs: Configs) -> StageMap:

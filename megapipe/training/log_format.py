@@ -26,11 +26,26 @@ def world_size_line(
     )
 
 
-def parameter_count_line(tp_rank: int, pp_rank: int, count: int) -> str:
-    """What each model-parallel rank (of data-parallel rank 0) says about its shard."""
-    return (
+def parameter_count_line(
+    tp_rank: int,
+    pp_rank: int,
+    count: int,
+    experts: tuple[int, int, int, int] | None = None,
+) -> str:
+    """What each model-parallel rank (of data-parallel rank 0) says about its shard.
+
+    experts (expert parallelism): (EP rank, EP size, this rank's expert parameters, its
+    experts per MoE layer out of the layer's): each EP rank says its share."""
+    line = (
         " > number of parameters on (tensor, pipeline) model parallel rank "
         f"({tp_rank}, {pp_rank}): {count}"
+    )
+    if experts is None:
+        return line
+    ep_rank, ep_size, expert_count, local = experts
+    return (
+        f"{line} on expert parallel rank {ep_rank} of {ep_size}, of which {expert_count} in "
+        f"its {local} experts per MoE layer ({local * ep_size} in all)"
     )
 
 

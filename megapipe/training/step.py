@@ -194,7 +194,7 @@ def train_step(
         outcome = optimizer.step(lr, decoupled_lr)  # decoupled_lr: --decoupled-lr's groups
     except NonFiniteGradient as fault:
         raise NonFiniteGradError(_gradient_fault(fault, chunks, iteration, state)) from None
-    update_expert_biases(chunks, state.dp)  # --moe-router-enable-expert-bias (else nothing)
+    update_expert_biases(chunks, state.dp_cp)  # --moe-router-enable-expert-bias (else nothing)
     zeros = optimizer.num_zeros_in_grad() if count_zeros and not outcome.skipped else None
     optimizer.zero_grad()
     timers = {
