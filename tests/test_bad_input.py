@@ -335,10 +335,11 @@ FLAG_CASES: list[tuple[Bad, dict, list[str], int]] = [
        "data-parallel x context-parallel size 2 (world 2 / (TP 1 x PP 1)): EP ranks are taken "
        "from DP x CP", "choose an EP size that divides DP x CP (or launch more ranks)"),
      {"num_experts": 4, "expert_model_parallel_size": 4}, [], 2),
-    (B("expert parallelism with ZeRO-2/3", "--expert-model-parallel-size 2 with ZeRO-2/3 "
-       "(--use-torch-fsdp2 or --data-parallel-sharding-strategy optim_grads_params): sharded "
-       "experts are not supported yet; use --use-distributed-optimizer",
-       "use --use-distributed-optimizer (ZeRO-1) with expert parallelism"),
+    (B("ZeRO-2/3 with EP equal to DP x CP", "--expert-model-parallel-size 2 equal to "
+       "data-parallel x context-parallel size with ZeRO-2/3 (--use-torch-fsdp2 or "
+       "--data-parallel-sharding-strategy optim_grads_params): no two ranks hold the same "
+       "experts to shard them over; use --use-distributed-optimizer, or a smaller EP",
+       "use --use-distributed-optimizer (ZeRO-1), or an EP size below DP x CP"),
      {"num_experts": 4, "expert_model_parallel_size": 2, "use_torch_fsdp2": True}, [], 2),
     (B("expert tensor parallelism other than TP", "--expert-tensor-parallel-size 2: experts "
        "are split like the dense MLP, so only --tensor-model-parallel-size (1) is supported yet",

@@ -124,6 +124,7 @@ LAYOUTS = {
     # DP4 with EP2: each expert lives on 2 ranks (expert DP 2), sharded there
     "EP2 of DP4 allgather, distributed optimizer": (
         4, _ep(2, "allgather") + ["--use-distributed-optimizer"]),
+    "EP2 of DP4 alltoall, ZeRO-3 (FSDP2)": (4, _ep(2, "alltoall") + ["--use-torch-fsdp2"]),
     "EP4 alltoall, grouped GEMM": (4, _ep(4, "alltoall") + ["--moe-grouped-gemm"]),
     "EP2 x TP2 SP allgather": (4, _ep(2, "allgather") + TP2 + ["--sequence-parallel"]),
     "EP2 x PP2 alltoall, distributed optimizer": (

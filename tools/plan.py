@@ -4,10 +4,14 @@
     python tools/plan.py --num-layers 24 --hidden-size 2048 --num-attention-heads 16 \\
         --seq-length 2048 --vocab-size 50257 --global-batch-size 256 --cluster dgx-h100 --nodes 2
     python tools/plan.py --model-preset megatron-39.1b --explain --show-rejected
+    python tools/plan.py --model-preset mixtral-8x7b --global-batch-size 1024 \\
+        --cluster dgx-h100 --nodes 8 --moe-dispatchers alltoall,allgather
 
 Searches TP, PP, VP, DP, micro-batch, recomputation, data-parallel sharding (plain, the
 distributed optimizer = ZeRO-1, ZeRO-2, ZeRO-3 on FSDP2), every pipeline schedule megapipe
-has, and context parallelism for long sequences (--context-parallel-sizes, --cp-comm-types);
+has, context parallelism for long sequences (--context-parallel-sizes, --cp-comm-types), and
+for a mixture of experts (--num-experts, or a Mixtral preset) expert parallelism
+(--expert-model-parallel-sizes, --moe-dispatchers);
 prints the best layouts, why the first wins (its time and memory terms against the best of
 each other TP x CP x PP), the bubble of each, one line on whether sharded data parallelism
 (ZeRO-2/3 at TP1 PP1) fits and beats the best TP x PP layout on this cluster, and what was
@@ -18,11 +22,13 @@ every assumption). Exit status 2 with one line naming the flag for bad input.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Sequence
 
-from megapipe.config import ModelConfig
+from megapipe.config import ModelConfig, MoEConfig
 from megapipe.errors import run_cli
+from megapipe.model.activation_memory_moe import DISPATCHERS
 from megapipe.model.context_parallel import COMM_TYPES
 from megapipe.pipeline.schedules import SCHEDULE_KINDS
 from megapipe.planning.cluster import GIB, PRESETS
@@ -87,6 +93,18 @@ def build_parser() -> argparse.ArgumentParser:
         model.add_argument(*names, type=_positive_int, help=help_text)
     model.add_argument("--swiglu", action="store_true", help="SwiGLU MLP.")
     model.add_argument("--qk-layernorm", action="store_true", help="Norms over Q and K heads.")
+    model.add_argument("--num-experts", type=_positive_int, help="Experts per MoE layer.")
+    model.add_argument("--moe-router-topk", type=_positive_int, help="Experts per token (2).")
+    model.add_argument("--moe-ffn-hidden-size", type=_positive_int, help="Each expert's ffn.")
+    model.add_argument("--moe-layer-freq", type=_positive_int, help="Every N-th layer is MoE (1).")
+    model.add_argument(
+        "--moe-shared-expert-intermediate-size", type=_positive_int, help="Shared expert's ffn."
+    )
+    model.add_argument(
+        "--moe-expert-capacity-factor",
+        type=_positive_float,
+        help="Capacity per expert (x tokens x topk / experts); default dropless.",
+    )
     model.add_argument("--attention-dropout", type=_fraction, default=0.1)
     model.add_argument("--hidden-dropout", type=_fraction, default=0.1)
 
@@ -150,6 +168,18 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="The ring's (p2p) transfers do not overlap the block attention.",
     )
+    search.add_argument(
+        "--expert-model-parallel-sizes",
+        type=_int_list,
+        help="EP sizes to search (--expert-model-parallel-size), comma list. Default: every "
+        "divisor of --num-experts (each layout keeps those dividing its DP x CP).",
+    )
+    search.add_argument(
+        "--moe-dispatchers",
+        default="alltoall",
+        help="Comma list of alltoall, allgather (--moe-token-dispatcher-type) to search at "
+        "EP > 1. Default alltoall.",
+    )
     search.add_argument("--max-vp", type=_positive_int, default=4, help="Most chunks per rank.")
     search.add_argument("--allow-cross-node-tp", action="store_true")
     search.add_argument("--memory-fraction", type=_fraction, default=0.9,
@@ -197,15 +227,20 @@ def _model(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ModelCo
         fields[name] = value if value is not None else getattr(base, name)
     ffn = args.ffn_hidden_size or (base.ffn_hidden_size if base is not None and
                                    fields["hidden_size"] == base.hidden_size else None)  # fmt: skip
+    inherited = {}  # an MoE preset's shape beyond the flags (rope, norms, biases, ...)
+    if base is not None and base.moe is not None:
+        inherited = {name: getattr(base, name) for name in _PRESET_FIELDS}
+    same = base is not None and base.moe is not None and fields["hidden_size"] == base.hidden_size
     model = ModelConfig(
-        **fields,
+        **{**fields, **inherited},
         ffn_hidden_size=ffn,
-        num_query_groups=args.num_query_groups,
+        num_query_groups=args.num_query_groups or (base.num_query_groups if same else None),
         kv_channels=args.kv_channels,
         qk_layernorm=args.qk_layernorm,
-        swiglu=args.swiglu,
+        swiglu=args.swiglu or (base is not None and base.moe is not None and base.swiglu),
         attention_dropout=args.attention_dropout,
         hidden_dropout=args.hidden_dropout,
+        moe=_moe(args, parser, base.moe if base is not None else None, fields["num_layers"]),
     )
     if model.kv_channels is None and model.hidden_size % model.num_attention_heads:
         parser.error(f"--hidden-size ({model.hidden_size}) is not divisible by "
@@ -214,6 +249,36 @@ def _model(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ModelCo
         parser.error(f"--num-attention-heads ({model.num_attention_heads}) is not divisible by "
                      f"--num-query-groups ({model.num_query_groups})")  # fmt: skip
     return model
+
+
+_PRESET_FIELDS = ("position_embedding_type", "normalization", "add_bias_linear",
+                  "untie_embeddings_and_output_weights")  # fmt: skip
+_MOE_FLAGS = {
+    "moe_router_topk": "--moe-router-topk",
+    "moe_ffn_hidden_size": "--moe-ffn-hidden-size",
+    "moe_layer_freq": "--moe-layer-freq",
+    "moe_shared_expert_intermediate_size": "--moe-shared-expert-intermediate-size",
+    "moe_expert_capacity_factor": "--moe-expert-capacity-factor",
+}
+
+
+def _moe(
+    args: argparse.Namespace, parser: argparse.ArgumentParser, base: MoEConfig | None, layers: int
+) -> MoEConfig | None:
+    """The MoE flags (over a preset's experts), or None for a dense model."""
+    given = {name: getattr(args, name) for name in _MOE_FLAGS if getattr(args, name) is not None}
+    if args.num_experts is None and base is None:
+        if given:
+            parser.error(f"{_MOE_FLAGS[next(iter(given))]} needs --num-experts")
+        return None
+    moe = base or MoEConfig(num_experts=args.num_experts)
+    moe = dataclasses.replace(moe, num_experts=args.num_experts or moe.num_experts, **given)
+    if moe.moe_router_topk > moe.num_experts:
+        parser.error(f"--moe-router-topk ({moe.moe_router_topk}) is above --num-experts "
+                     f"({moe.num_experts})")  # fmt: skip
+    if isinstance(moe.moe_layer_freq, int) and moe.moe_layer_freq > layers:
+        parser.error(f"--moe-layer-freq ({moe.moe_layer_freq}) is above --num-layers ({layers})")
+    return moe
 
 
 def _names(text: str, allowed: Sequence[str], flag: str, parser: argparse.ArgumentParser):
@@ -282,6 +347,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         sequence_parallel=args.sequence_parallel,
         context_parallel=args.context_parallel_sizes,
         cp_comm_types=_names(args.cp_comm_types, COMM_TYPES, "--cp-comm-types", parser),
+        expert_parallel=args.expert_model_parallel_sizes,
+        moe_dispatchers=_names(args.moe_dispatchers, DISPATCHERS, "--moe-dispatchers", parser),
         knobs=TimeKnobs(
             args.tp_overlap,
             args.dp_overlap,
@@ -291,6 +358,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             cp_overlap=not args.no_cp_overlap,
         ),
     )
+    if model.moe is None and args.expert_model_parallel_sizes is not None:
+        parser.error("--expert-model-parallel-sizes needs a mixture of experts (--num-experts)")
     result = plan(model, cluster, global_batch, options)
     print(format_plan(result, top=args.top, explain=args.explain, show_rejected=args.show_rejected))
     return 0 if result.ranked else 1

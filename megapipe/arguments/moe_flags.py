@@ -242,11 +242,12 @@ def validate_moe_features(
                 "--ckpt-format torch_dist"
             )
         sharding = optimizer.data_parallel_sharding_strategy
-        if sharding in ("optim_grads", "optim_grads_params"):
+        if sharding in ("optim_grads", "optim_grads_params") and dp_cp == ep:
             raise ConfigError(
-                f"--expert-model-parallel-size {ep} with ZeRO-2/3 (--use-torch-fsdp2 or "
-                f"--data-parallel-sharding-strategy {sharding}): sharded experts are not "
-                "supported yet; use --use-distributed-optimizer"
+                f"--expert-model-parallel-size {ep} equal to data-parallel x context-parallel "
+                f"size with ZeRO-2/3 (--use-torch-fsdp2 or --data-parallel-sharding-strategy "
+                f"{sharding}): no two ranks hold the same experts to shard them over; use "
+                "--use-distributed-optimizer, or a smaller EP"
             )
         if optimizer.num_distributed_optimizer_instances > 1:
             raise ConfigError(

@@ -24,6 +24,9 @@ no change to the layers (docs/ARCHITECTURE.md, "Facts for sharded data paralleli
   (`MixedPrecisionPolicy`); bytes per parameter at rest are 16/d.
 * --overlap-param-gather prefetches: each layer's forward issues the next layer's all-gather
   and each layer's backward the previous one's (FSDP2's explicit prefetch lists).
+* Expert parallelism (MoE): each layer's experts are an FSDP group of their own, sharded over
+  the expert-data-parallel group (the ranks that hold the same experts), and their gradients
+  divided by DP x CP like every other's (they already sum every EP rank's tokens').
 * FSDP2 drops custom parameter attributes: `ParamMeta` (`param.meta`) is put back on the
   sharded parameters, which the grad norm, the SP/tied-embedding sums and the checkpoint read.
 
@@ -45,6 +48,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from megapipe.config import OptimizerConfig
+from megapipe.distributed.grad_norm import is_expert
 from megapipe.parallel.state import ParallelState
 
 
@@ -109,11 +113,24 @@ def shard_chunks(
         param_dtype=None if dtype == torch.float32 else dtype, reduce_dtype=torch.float32
     )
     reshard = config.sharding == "optim_grads_params"
+    expert_mesh = None
+    if state.ep.size > 1:
+        expert_mesh = DeviceMesh.from_group(
+            state.expert_dp.pg, state.device.type, mesh_dim_names=("shard",)
+        )
     wrapped: list[FSDPModule] = []
     roots: list[FSDPModule] = []
     for chunk, chunk_layers in zip(chunks, layers):
         metas = {name: p.meta for name, p in chunk.named_parameters()}
         for layer in chunk_layers:
+            for experts in _expert_modules(layer) if expert_mesh is not None else []:
+                fully_shard(
+                    experts, mesh=expert_mesh, reshard_after_forward=reshard, mp_policy=policy
+                )
+                # divided after a SUM: gloo has no PREMUL_SUM, the op such a factor maps to
+                experts.set_gradient_divide_factor(float(state.dp_cp.size))
+                experts.set_force_sum_reduction_for_comms(True)
+                wrapped.append(experts)
             fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
         roots.append(fully_shard(chunk, mesh=mesh, reshard_after_forward=False, mp_policy=policy))
         for name, param in chunk.named_parameters():
@@ -124,6 +141,15 @@ def shard_chunks(
                 after.set_modules_to_backward_prefetch([before])
         wrapped += chunk_layers
     return wrapped + roots
+
+
+def _expert_modules(layer: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules of `layer` that hold MoE expert parameters themselves."""
+    return [
+        module
+        for module in layer.modules()
+        if any(is_expert(p) for p in module.parameters(recurse=False))
+    ]
 
 
 @contextlib.contextmanager

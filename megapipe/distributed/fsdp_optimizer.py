@@ -22,7 +22,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from megapipe.config import OptimizerConfig
 from megapipe.distributed.fsdp import local_part, reduce_after_step, reshard
-from megapipe.distributed.grad_norm import counted_in_norm
+from megapipe.distributed.grad_norm import counted_in_norm, is_expert
 from megapipe.distributed.optimizer import (
     SPIKE_WINDOW,
     Piece,
@@ -62,6 +62,10 @@ class FSDPOptimizer(ShardedOptimizer):
                 self.pieces.append(Piece(param, None, start, start + flat.numel()))
                 self.masters.append(param.to_local().detach())
         self._counted = [counted_in_norm(p, state.tp.rank) for p in self.params]
+        # experts under expert parallelism: their norm part is summed apart (ShardedOptimizer)
+        self._expert_parallel = state.ep.size > 1
+        self._is_expert = [self._expert_parallel and is_expert(p) for p in self.params]
+        self._expert_norm_runs: list[torch.Tensor] = []
         self._copy_back = False  # the masters are the fp32 shards themselves
         self._runs, self._master_runs = [], []
         self._grad_runs, self._norm_runs, self._uncounted_runs = [], [], []
@@ -94,7 +98,9 @@ class FSDPOptimizer(ShardedOptimizer):
             master.grad = grad
             grads.append(grad)
         self._grad_runs = grads
-        self._norm_runs = [g for g, counted in zip(grads, self._counted) if counted]
+        counted = [(g, expert) for g, c, expert in zip(grads, self._counted, self._is_expert) if c]
+        self._norm_runs = [g for g, expert in counted if not expert]
+        self._expert_norm_runs = [g for g, expert in counted if expert]
         self._uncounted_runs = [g for g, counted in zip(grads, self._counted) if not counted]
 
     def step(self, lr: float, decoupled_lr: float | None = None):
@@ -111,6 +117,7 @@ class FSDPOptimizer(ShardedOptimizer):
             master.grad = None
             param.grad = None
         self._grad_runs, self._norm_runs, self._uncounted_runs = [], [], []
+        self._expert_norm_runs = []
 
     def finish_param_sync(self) -> None:
         """Nothing in flight between steps: FSDP2 gathers at each forward."""

@@ -62,6 +62,10 @@ above is taken at S / CP (that is the point of CP: activations divide by CP), an
                                                 once, and with GQA K and V repeated to a heads
     selective core_attn       q, k, v and the projection's input (as without CP)
 
+On a mixture-of-experts layer the MLP's terms (fc1's input, 2 sbf / t) are replaced by the
+router's, the experts' and the combine's: `activation_memory_moe` (measured at 1 rank, TP2
+and EP2 with each dispatcher).
+
 Selective recomputation of core_attn keeps q, k, v (the recomputation's input) and the
 projection's input: it drops SDPA's log-sum-exp only (SDPA holds no s x s matrix), or the
 s x s terms of the unfused attention. Of mlp it keeps only the MLP's input (the second norm's
@@ -76,6 +80,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from megapipe.config import ModelConfig, RecomputeConfig
+from megapipe.model.activation_memory_moe import moe_activation_bytes
 
 
 def saved_activation_bytes(
@@ -107,10 +112,18 @@ def layer_activation_bytes(
     attention_dropout_fused: bool = False,
     cp: int = 1,
     cp_comm_type: str = "p2p",
+    layer: int = 0,
+    ep: int = 1,
+    moe_dispatcher: str = "alltoall",
+    moe_rows: int | None = None,
+    moe_received: int | None = None,
 ) -> int:
     """The formula of the module docstring: bytes one layer keeps for backward on one rank.
     attention_dropout_fused: attention dropout runs inside SDPA / flash (no s x s terms);
-    cp, cp_comm_type: context parallelism (each rank holds S / cp tokens of every sequence)."""
+    cp, cp_comm_type: context parallelism (each rank holds S / cp tokens of every sequence);
+    layer: the global index (an MoE layer's MLP is `activation_memory_moe`'s), with its
+    expert parallelism (ep, moe_dispatcher), its own kept assignments and the rows its
+    experts received (moe_rows, moe_received; default: balanced routing)."""
     recompute = recompute or RecomputeConfig()
     s, b, h = config.seq_length // cp, micro_batch_size, config.hidden_size
     a, f = config.num_attention_heads, config.ffn_hidden_size
@@ -142,6 +155,10 @@ def layer_activation_bytes(
     masks = 2 * local_s * b * h * dtype_bytes if config.hidden_dropout > 0 else 0
     attention = norm + column_input + qkv_out + core + masks
     mlp = column_input + 2 * s * b * f // tp * dtype_bytes
+    if config.is_moe_layer(layer):
+        mlp = moe_activation_bytes(config, s * b, b, tp, dtype_bytes, ep=ep,
+                                   dispatcher=moe_dispatcher, rows=moe_rows,
+                                   received=moe_received)  # fmt: skip
     if recompute.selective("mlp"):
         mlp = local_s * b * h * dtype_bytes  # the MLP's input, kept by the recomputation
     return attention + norm + mlp

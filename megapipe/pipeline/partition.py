@@ -12,7 +12,9 @@ to choose the runs, as in Megatron-LM plus one:
 * memory: a contiguous split whose stages' estimated peak memory deviates least from the mean
   (`stage_memory.MemoryModel`: parameters, gradients, optimizer state, and the activations of
   the micro-batches each stage keeps in flight), so the first stages of 1F1B, which hold the
-  most micro-batches, get fewer layers.
+  most micro-batches, get fewer layers. The estimate is of the layers a stage would hold, so
+  with --moe-layer-freq a stage of MoE layers (their experts: E / EP per rank) weighs more
+  than one of dense layers.
 """
 
 from __future__ import annotations
@@ -80,8 +82,31 @@ def layer_flops_per_token(config: ModelConfig) -> float:
     return float(linear + attention)
 
 
-def min_max_counts(num_layers: int, stages: int, cost: Callable[[int, int], float]) -> list[int]:
-    """Contiguous layer counts (at least one each) minimising the largest `cost(stage, n)`."""
+StageCost = Callable[[int, range], float]  # (stage, its layers' global indices) -> cost
+
+
+def min_max_counts(num_layers: int, stages: int, cost: StageCost) -> list[int]:
+    """Contiguous layer counts (at least one each) minimising the largest `cost(stage,
+    layers)`, `layers` the range of global indices the stage would hold."""
+    return _min_max(num_layers, stages, _cost_table(num_layers, stages, cost))
+
+
+def _cost_table(num_layers: int, stages: int, cost: StageCost) -> list[list[list[float]]]:
+    """table[s][j][k]: the cost of stage s holding layers j..k-1 (0 when empty; only the
+    splits that leave every stage at least one layer are filled)."""
+    n, inf = num_layers, float("inf")
+    table = [[[inf] * (n + 1) for _ in range(n + 1)] for _ in range(stages)]
+    for s in range(stages):
+        for j in range(s, n - (stages - s) + 1):
+            for k in range(j + 1, n - (stages - s - 1) + 1):
+                table[s][j][k] = cost(s, range(j, k))
+    return table
+
+
+def _min_max(
+    num_layers: int, stages: int, table: list[list[list[float]]], level: float | None = None
+) -> list[int]:
+    """The min-max split over `_cost_table`'s costs (or their distances from `level`)."""
     n = num_layers
     if n < stages:
         raise ConfigError(f"--num-layers ({n}) is smaller than the {stages} pipeline stages")
@@ -91,9 +116,11 @@ def min_max_counts(num_layers: int, stages: int, cost: Callable[[int, int], floa
     choice = [[0] * (n + 1) for _ in range(stages + 1)]
     best[0][0] = 0.0
     for s in range(1, stages + 1):
+        previous, rows = best[s - 1], table[s - 1]
         for k in range(s, n - (stages - s) + 1):
             for j in range(s - 1, k):  # stage s-1 takes layers j..k-1
-                value = max(best[s - 1][j], cost(s - 1, k - j))
+                c = rows[j][k] if level is None else abs(rows[j][k] - level)
+                value = previous[j] if previous[j] > c else c
                 if value < best[s][k]:
                     best[s][k], choice[s][k] = value, j
     counts, k = [], n
@@ -104,33 +131,35 @@ def min_max_counts(num_layers: int, stages: int, cost: Callable[[int, int], floa
     return counts[::-1]
 
 
-def even_counts(
-    num_layers: int, stages: int, cost: Callable[[int, int], float], targets: int = 48
-) -> list[int]:
+def even_counts(num_layers: int, stages: int, cost: StageCost, targets: int = 48) -> list[int]:
     """Contiguous layer counts whose stage costs deviate least from their mean (ties: the
     smaller largest cost). Exact for a given target level, searched over `targets` levels
-    between the cheapest and the dearest stage, and the min-max split's mean."""
+    between the cheapest and the dearest stage, and the min-max split's mean. The cost of a
+    stage may depend on which layers it holds (mixtures of experts on some layers only)."""
     if num_layers < stages:
         raise ConfigError(
             f"--num-layers ({num_layers}) is smaller than the {stages} pipeline stages"
         )
-    table = [[cost(s, k) if k else 0.0 for k in range(num_layers + 1)] for s in range(stages)]
+    table = _cost_table(num_layers, stages, cost)
+
+    def costs(counts: list[int]) -> list[float]:
+        starts = [sum(counts[:s]) for s in range(stages)]
+        return [table[s][a][a + k] for s, (a, k) in enumerate(zip(starts, counts))]
 
     def score(counts: list[int]) -> tuple[float, float]:
-        costs = [table[s][k] for s, k in enumerate(counts)]
-        mean = sum(costs) / stages
-        return max(abs(c - mean) for c in costs) / mean, max(costs)
+        values = costs(counts)
+        mean = sum(values) / stages
+        return max(abs(c - mean) for c in values) / mean, max(values)
 
-    best = min_max_counts(num_layers, stages, cost)
-    baseline = [table[s][k] for s, k in enumerate(best)]
+    best = _min_max(num_layers, stages, table)
+    baseline = costs(best)
     levels = [sum(baseline) / stages]
-    low = min(min(row[1:]) for row in table)
+    singles = [table[s][j][j + 1] for s in range(stages) for j in range(num_layers)]
+    low = min(c for c in singles if c != float("inf"))
     high = max(baseline)
     levels += [low + (high - low) * i / (targets - 1) for i in range(targets)]
     for level in levels:
-        counts = min_max_counts(
-            num_layers, stages, lambda s, k, level=level: abs(table[s][k] - level)
-        )
+        counts = _min_max(num_layers, stages, table, level)
         if score(counts) < score(best):
             best = counts
     return best
@@ -146,7 +175,9 @@ def balanced_counts(config: ModelConfig, p: int, v: int) -> list[int]:
     head = 2.0 * config.hidden_size * config.padded_vocab_size(1)
     last = p * v - 1
     return min_max_counts(
-        config.num_layers, p * v, lambda stage, n: n * layer + (head if stage == last else 0.0)
+        config.num_layers,
+        p * v,
+        lambda stage, layers: len(layers) * layer + (head if stage == last else 0.0),
     )
 
 
@@ -158,11 +189,13 @@ def partition_layers(
     method: str = "uniform",
     first: int | None = None,
     last: int | None = None,
-    stage_bytes: Callable[[int, int], float] | None = None,
+    stage_bytes: StageCost | None = None,
 ) -> StageMap:
     """The stage map for a pipeline of p ranks with v chunks each.
 
-    stage_bytes: (stage, layers) -> estimated peak bytes, which the memory method needs."""
+    stage_bytes: (stage, its layers' global indices) -> estimated peak bytes, which the
+    memory method needs (`stage_memory.MemoryModel.stage_bytes`: it counts each MoE layer's
+    experts)."""
     if method == "memory":
         if v > 1 or first is not None or last is not None:
             raise ConfigError(

@@ -31,13 +31,19 @@ under TP: the vocabulary-parallel cross-entropy keeps its own copy). The numbers
 rank of a stage (TP-sharded). Under context parallelism a rank holds S / CP tokens of each
 sequence, so its activations are the formula's at S / CP (plus what the comm type keeps:
 `activation_memory.py`), and the shard group above is DP x CP ranks.
+
+Mixtures of experts (`stage_parameters.py`): an MoE layer's rank holds E / EP experts; their
+bytes per parameter follow the table over the expert-DP ranks (d = DP x CP / EP) while the
+dense parameters' use DP x CP, and its activations are `activation_memory_moe`'s (the
+router, the experts' rows, the combine; balanced routing under EP). Stages are costed by the
+global layers they hold, so with --moe-layer-freq a stage of MoE layers weighs its experts.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from megapipe.config import (
@@ -52,85 +58,19 @@ from megapipe.model.attention_backends import attention_dropout_rng
 from megapipe.pipeline.partition import StageMap, partition_layers
 from megapipe.pipeline.schedules import ZERO_BUBBLE_KINDS
 from megapipe.pipeline.simulator import simulate_kind
+from megapipe.pipeline.stage_parameters import (  # noqa: F401 (re-exported)
+    _indices,
+    bytes_per_parameter,
+    fsdp_shards,
+    layer_expert_parameters,
+    layer_parameters,
+    sharded_over,
+    stage_expert_parameters,
+    stage_parameters,
+    training_dtype_bytes,
+)
 
 _MB = 1024.0 * 1024.0
-
-
-def layer_parameters(config: ModelConfig, tp: int, layer: int = 0) -> int:
-    """Parameters of transformer layer `layer` (global index) on one TP rank: an MoE layer
-    holds its router, every expert (no expert parallelism yet) and the shared expert."""
-    h, f, d = config.hidden_size, config.ffn_hidden_size, config.head_dim
-    qkv = (config.num_attention_heads + 2 * config.num_query_groups) * d
-    weights = (h * qkv + config.num_attention_heads * d * h) // tp
-    biases = qkv // tp + h if config.add_bias_linear else 0
-    norms = 2 * h * (2 if config.normalization == "LayerNorm" else 1)
-    if config.qk_layernorm:  # q and k norms over the head dim, replicated across TP
-        norms += 2 * d * (2 if config.normalization == "LayerNorm" else 1)
-    if config.is_moe_layer(layer):
-        moe = config.moe
-        mlp = moe.num_experts * _mlp_parameters(config, config.moe_ffn_hidden_size, tp)
-        mlp += moe.num_experts * h  # the router, replicated over TP
-        if moe.moe_shared_expert_intermediate_size is not None:
-            mlp += _mlp_parameters(config, moe.moe_shared_expert_intermediate_size, tp)
-    else:
-        mlp = _mlp_parameters(config, f, tp)
-    return weights + biases + norms + mlp
-
-
-def _mlp_parameters(config: ModelConfig, ffn: int, tp: int) -> int:
-    """One MLP of ffn size `ffn` on one TP rank (fc1 and its bias split, fc2's bias whole)."""
-    h = config.hidden_size
-    fc1 = ffn * (2 if config.swiglu else 1)
-    biases = fc1 // tp + h if config.add_bias_linear else 0
-    return (h * fc1 + ffn * h) // tp + biases
-
-
-def stage_parameters(
-    config: ModelConfig, layers: int | range, first: bool, last: bool, tp: int
-) -> int:
-    """Parameters one TP rank of a stage holds: its layers (a range of global indices, or a
-    count, read as layers 0..count-1), and the embedding / output layer (with tied embeddings
-    a last stage that is not also the first holds a copy)."""
-    h, vocab = config.hidden_size, config.padded_vocab_size(tp)
-    indices = range(layers) if isinstance(layers, int) else layers
-    count = sum(layer_parameters(config, tp, i) for i in indices)
-    if first:
-        count += vocab * h // tp
-        if config.position_embedding_type == "learned_absolute":
-            count += config.max_position_embeddings * h
-    if last:
-        count += h * (2 if config.normalization == "LayerNorm" else 1)
-        tied = not config.untie_embeddings_and_output_weights
-        if not (tied and first):
-            count += vocab * h // tp
-    return count
-
-
-def sharded_over(optimizer: OptimizerConfig, dp: int) -> int:
-    """Ranks one parameter's state is sharded over: DP, or DP / N with hybrid sharding."""
-    return max(1, dp // max(1, optimizer.num_distributed_optimizer_instances))
-
-
-def fsdp_shards(optimizer: OptimizerConfig, dp: int) -> bool:
-    """Whether FSDP2 shards this run (ZeRO-2/3 over more than one rank; else the plain path)."""
-    return optimizer.fsdp and sharded_over(optimizer, dp) > 1
-
-
-def training_dtype_bytes(optimizer: OptimizerConfig) -> int:
-    return 2 if optimizer.bf16 or optimizer.fp16 else 4
-
-
-def bytes_per_parameter(optimizer: OptimizerConfig, dp: int) -> tuple[float, float, float]:
-    """(parameter, gradient, optimizer-state) bytes per parameter on one rank at rest (between
-    steps, gradients still held), by `optimizer.sharding` (the module docstring's table). The
-    optimizer state includes the fp32 master copy where there is a separate one."""
-    d = sharded_over(optimizer, dp)
-    param = training_dtype_bytes(optimizer)
-    states = 2 if optimizer.optimizer == "adam" else (1 if optimizer.sgd_momentum else 0)
-    if fsdp_shards(optimizer, dp):  # fp32 shards are the masters; fp32 sharded gradients
-        return 4 / d, 4 / d, 4 * states / d
-    state = 4 * states + (4 if param == 2 else 0)
-    return param, 4, state / (d if optimizer.sharding == "optim" else 1)
 
 
 def gathered_parameter_bytes(
@@ -143,6 +83,7 @@ def gathered_parameter_bytes(
     tp: int,
     *,
     whole_stage: bool = False,
+    ep: int = 1,
 ) -> int:
     """Peak bytes FSDP2 holds gathered on one rank of a stage of `layers` layers, on top of the
     shards, in the training dtype (0 without FSDP2): the gathered parameters, and the flat
@@ -158,7 +99,7 @@ def gathered_parameter_bytes(
     gradients of the group in backward and the reduce-scatter buffers (about a layer)."""
     if not fsdp_shards(optimizer, dp):
         return 0
-    layer = layer_parameters(config, tp)
+    layer = layer_parameters(config, tp, 0, ep)  # (layer 0 is an MoE layer in an MoE model)
     root = stage_parameters(config, 0, first, last, tp)
     if optimizer.sharding == "optim_grads" or whole_stage:
         held = layers + min(layers, 1)
@@ -187,29 +128,42 @@ def stage_activation_bytes(
     tp: int,
     sp: bool,
     recompute: RecomputeConfig,
-    layers: int,
+    layers: int | Sequence[int],
     first: bool,
     last: bool,
     dtype_bytes: int,
     attention_dropout_fused: bool = False,
     cp: int = 1,
     cp_comm_type: str = "p2p",
+    ep: int = 1,
+    moe_dispatcher: str = "alltoall",
 ) -> int:
-    """Activations one micro-batch leaves on a stage of `layers` layers until its backward
-    (under context parallelism, for this rank's S / cp tokens of each sequence)."""
-    kept = partial = 0
+    """Activations one micro-batch leaves on a stage of `layers` layers (a count: layers
+    0..n-1; or their global indices) until its backward (under context parallelism, for this
+    rank's S / cp tokens of each sequence; MoE layers with their experts' rows, under expert
+    parallelism as `activation_memory_moe` models it)."""
+    indices = _indices(layers)
+    count = len(indices)
+    partial = 0
+    kept: Sequence[int] = indices
     if recompute.full:
         n = recompute.num_layers or 1
-        groups = min(n, layers) if recompute.method == "block" else math.ceil(layers / n)
-        kept = layers - min(n, layers) if recompute.method == "block" else 0
-        partial = groups
-    else:
-        kept = layers
-    full_layer = layer_activation_bytes(
-        config, micro_batch, tp, sequence_parallel=sp, dtype_bytes=dtype_bytes,
-        recompute=RecomputeConfig() if recompute.full else recompute,
-        attention_dropout_fused=attention_dropout_fused, cp=cp, cp_comm_type=cp_comm_type,
-    )  # fmt: skip
+        block = recompute.method == "block"
+        partial = min(n, count) if block else math.ceil(count / n)
+        kept = indices[min(n, count) :] if block else ()
+    moe_kept = sum(1 for i in kept if config.is_moe_layer(i))
+
+    def layer_bytes(moe: bool) -> int:
+        index = _first_layer(config, moe)
+        return layer_activation_bytes(
+            config, micro_batch, tp, sequence_parallel=sp, dtype_bytes=dtype_bytes,
+            recompute=RecomputeConfig() if recompute.full else recompute,
+            attention_dropout_fused=attention_dropout_fused, cp=cp, cp_comm_type=cp_comm_type,
+            layer=index, ep=ep, moe_dispatcher=moe_dispatcher,
+        )  # fmt: skip
+
+    total = (len(kept) - moe_kept) * layer_bytes(False) if len(kept) > moe_kept else 0
+    total += moe_kept * layer_bytes(True) if moe_kept else 0
     group_input = layer_activation_bytes(
         config, micro_batch, tp, sequence_parallel=sp, dtype_bytes=dtype_bytes,
         recompute=RecomputeConfig("full", "uniform", 1), cp=cp,
@@ -218,7 +172,12 @@ def stage_activation_bytes(
     if first and config.hidden_dropout > 0:  # the embedding dropout's keep-mask
         local_s = config.seq_length // cp // (tp if sp and tp > 1 else 1)
         head += local_s * micro_batch * config.hidden_size * dtype_bytes
-    return kept * full_layer + partial * group_input + head
+    return total + partial * group_input + head
+
+
+def _first_layer(config: ModelConfig, moe: bool) -> int:
+    """The first global layer index that is (moe) or is not an MoE layer (0 if none is)."""
+    return next((i for i in range(config.num_layers) if config.is_moe_layer(i) == moe), 0)
 
 
 @dataclass(frozen=True)
@@ -234,6 +193,7 @@ class StageMemory:
     activation_bytes: float  # peak: per micro-batch x micro-batches in flight
     in_flight: int
     gathered_bytes: float = 0.0  # FSDP2's parameters gathered during the step (ZeRO-2/3)
+    expert_parameters: int = 0  # of `parameters`: E / EP experts per MoE layer
 
     @property
     def total_bytes(self) -> float:
@@ -276,6 +236,23 @@ class MemoryModel:
         (context-parallel ranks hold the same parameters and reduce gradients together)."""
         return self.data_parallel_size * self.parallel.context_parallel_size
 
+    @property
+    def expert_model_parallel_size(self) -> int:
+        """EP: the ranks of each DP x CP group that split every MoE layer's experts."""
+        return self.parallel.expert_model_parallel_size
+
+    @property
+    def moe_dispatcher(self) -> str:
+        """How tokens reach their experts under EP (alltoall or allgather)."""
+        moe = self.config.moe
+        return moe.moe_token_dispatcher_type if moe is not None else "alltoall"
+
+    @property
+    def expert_shard_ranks(self) -> int:
+        """The ranks expert parameters' gradients and state shard over: expert-DP, the
+        DP x CP ranks holding the same experts (DP x CP / EP)."""
+        return max(1, self.shard_ranks // self.expert_model_parallel_size)
+
     def in_flight(self) -> list[int]:
         """Peak micro-batches (chunk forwards) each pipeline rank holds, from the simulator."""
         parallel = self.parallel
@@ -287,22 +264,32 @@ class MemoryModel:
     def stage(
         self,
         index: int,
-        chunks: list[int],
+        chunks: Sequence[int | Sequence[int]],
         in_flight: int,
         recompute: RecomputeConfig | None = None,
     ) -> StageMemory:
-        """Pipeline rank `index` holding model chunks of these layer counts. Activations: the
-        peak chunk forwards in flight times the chunks' mean activations per micro-batch."""
+        """Pipeline rank `index` holding these model chunks: ranges of global layer indices, or
+        layer counts (read as layers 0, 1, ...: exact for models whose layers are alike).
+        Activations: the peak chunk forwards in flight times the chunks' mean per micro-batch.
+        Expert parameters count E / EP experts per MoE layer, their gradients and optimizer
+        state sharded over the expert-DP ranks (DP x CP / EP)."""
         p = self.parallel.pipeline_model_parallel_size
         tp, sp = self.parallel.tensor_model_parallel_size, self.parallel.sequence_parallel
+        ep = self.expert_model_parallel_size
         first, last = index == 0, index == p - 1
-        layers = sum(chunks)
-        count = stage_parameters(self.config, layers, first, last, tp)
+        if all(isinstance(c, int) for c in chunks):
+            chunks = _consecutive(chunks)  # type: ignore[arg-type]
+        indices = [i for chunk in chunks for i in chunk]  # type: ignore[union-attr]
+        layers = len(indices)
+        count = stage_parameters(self.config, indices, first, last, tp, ep)
+        experts = stage_expert_parameters(self.config, indices, tp, ep)
         param, grad, state = bytes_per_parameter(self.optimizer, self.shard_ranks)
+        e_param, e_grad, e_state = bytes_per_parameter(self.optimizer, self.expert_shard_ranks)
+        dense = count - experts
         dtype_bytes = training_dtype_bytes(self.optimizer)
         gathered = gathered_parameter_bytes(
             self.config, self.optimizer, self.shard_ranks, layers, first, last, tp,
-            whole_stage=self.parallel.schedule in ZERO_BUBBLE_KINDS,
+            whole_stage=self.parallel.schedule in ZERO_BUBBLE_KINDS, ep=ep,
         )  # fmt: skip
         recompute = recompute or self.recompute  # the memory partition's choice, or the flags'
         per_chunk = [
@@ -312,33 +299,55 @@ class MemoryModel:
                 tp,
                 sp,
                 recompute,
-                n,
+                chunk,  # type: ignore[arg-type]
                 first and c == 0,
                 last and c == len(chunks) - 1,
                 dtype_bytes,
                 self.attention_dropout_fused,
                 self.parallel.context_parallel_size,
                 self.parallel.cp_comm_type,
+                ep,
+                self.moe_dispatcher,
             )
-            for c, n in enumerate(chunks)
+            for c, chunk in enumerate(chunks)
         ]
         activations = sum(per_chunk) / len(per_chunk) * in_flight
-        return StageMemory(index, layers, count, count * param, count * grad, count * state,
-                           activations, in_flight, gathered)  # fmt: skip
+        return StageMemory(index, layers, count, dense * param + experts * e_param,
+                           dense * grad + experts * e_grad, dense * state + experts * e_state,
+                           activations, in_flight, gathered, experts)  # fmt: skip
 
     def stages(self, stage_map: StageMap) -> list[StageMemory]:
         """The estimate for every pipeline rank of `stage_map`."""
         flights = self.in_flight()
         recompute = stage_map.recompute or (self.recompute,) * stage_map.pipeline_size
         return [
-            self.stage(rank, [len(chunk) for chunk in chunks], flights[rank], recompute[rank])
+            self.stage(rank, list(chunks), flights[rank], recompute[rank])
             for rank, chunks in enumerate(stage_map.layers)
         ]
 
-    def stage_bytes(self) -> Callable[[int, int], float]:
-        """(stage, layers) -> total bytes, for the memory partition."""
-        flights = self.in_flight()
-        return lambda index, layers: self.stage(index, [layers], flights[index]).total_bytes
+    def stage_bytes(self) -> Callable[[int, int | range], float]:
+        """(stage, layers: a range of global indices, or a count) -> total bytes, for the
+        memory partition. Cached by the layer count and how many of them are MoE layers, the
+        only things a stage's bytes depend on."""
+        flights, cache = self.in_flight(), {}
+        moe_before = [0]  # moe_before[i]: MoE layers among layers 0..i-1
+        for i in range(self.config.num_layers):
+            moe_before.append(moe_before[-1] + self.config.is_moe_layer(i))
+
+        def total(index: int, layers: int | range) -> float:
+            chunk = range(layers) if isinstance(layers, int) else layers
+            key = (index, len(chunk), moe_before[chunk.stop] - moe_before[chunk.start])
+            if key not in cache:
+                cache[key] = self.stage(index, [chunk], flights[index]).total_bytes
+            return cache[key]
+
+        return total
+
+
+def _consecutive(counts: Sequence[int]) -> list[range]:
+    """Layer counts as consecutive ranges from layer 0."""
+    starts = [sum(counts[:c]) for c in range(len(counts))]
+    return [range(start, start + n) for start, n in zip(starts, counts)]
 
 
 def deviation(stages: list[StageMemory]) -> float:
@@ -377,12 +386,15 @@ def describe(stages: list[StageMemory], measured: list[float | None] | None = No
 BALANCED = 0.15  # the memory partition's aim: every stage within 15% of the mean
 
 
-def recompute_ladder(layers: int) -> list[RecomputeConfig]:
+def recompute_ladder(layers: int, moe: bool = False) -> list[RecomputeConfig]:
     """A stage's recomputation options, keeping ever less: none, selective core_attn,
-    selective core_attn + mlp, then full recomputation of its first 1, 2, ... layers."""
+    selective core_attn + mlp, then full recomputation of its first 1, 2, ... layers. With
+    mixtures of experts only the first two (MoE layers refuse MLP and full recomputation)."""
+    ladder = [RecomputeConfig(), RecomputeConfig("selective", modules=("core_attn",))]
+    if moe:
+        return ladder
     return [
-        RecomputeConfig(),
-        RecomputeConfig("selective", modules=("core_attn",)),
+        *ladder,
         RecomputeConfig("selective", modules=("core_attn", "mlp")),
         *(RecomputeConfig("full", "block", n) for n in range(1, layers + 1)),
     ]
@@ -393,12 +405,13 @@ def recompute_to_balance(model: MemoryModel, counts: list[int]) -> tuple[Recompu
     deviation is at least BALANCED, move the stage whose next rung of `recompute_ladder`
     lowers the deviation most one rung up; stop when no move helps. () when none is needed."""
     flights = model.in_flight()
-    ladders = [recompute_ladder(n) for n in counts]
+    ladders = [recompute_ladder(n, model.config.moe is not None) for n in counts]
+    ranges = _consecutive(counts)
     rungs = [0] * len(counts)
 
     def deviation_at(trial: list[int]) -> float:
-        return deviation([model.stage(i, [n], flights[i], ladders[i][trial[i]])
-                          for i, n in enumerate(counts)])  # fmt: skip
+        return deviation([model.stage(i, [r], flights[i], ladders[i][trial[i]])
+                          for i, r in enumerate(ranges)])  # fmt: skip
 
     current = deviation_at(rungs)
     while current >= BALANCED:

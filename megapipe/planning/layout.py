@@ -34,7 +34,10 @@ class Layout:
     the distributed optimizer, optim_grads = ZeRO-2, optim_grads_params = ZeRO-3), the
     pipeline schedule, and context parallelism: CP ranks per sequence (in Megatron's rank
     order tp-cp-dp-pp, so the world is TP x CP x DP x PP) and how they exchange keys and
-    values (--cp-comm-type)."""
+    values (--cp-comm-type); and expert parallelism (MoE models): EP ranks of each DP x CP
+    group split every MoE layer's experts (not a factor of the world: the expert layout
+    tp-ep-dp-pp takes them from DP x CP) and exchange tokens by `moe_dispatcher` (alltoall or
+    allgather, --moe-token-dispatcher-type)."""
 
     tp: int
     pp: int
@@ -46,6 +49,8 @@ class Layout:
     schedule: str = "1f1b"
     cp: int = 1
     cp_comm_type: str = "p2p"
+    ep: int = 1
+    moe_dispatcher: str = "alltoall"
 
     def __post_init__(self) -> None:
         if self.sharding not in SHARDING:  # also catches the old bool distributed_optimizer
@@ -66,6 +71,11 @@ class Layout:
     def world_size(self) -> int:
         return self.tp * self.cp * self.dp * self.pp
 
+    @property
+    def expert_dp(self) -> int:
+        """Ranks holding the same experts, over which expert gradients reduce: DP x CP / EP."""
+        return self.dp * self.cp // self.ep
+
     def num_microbatches(self, global_batch: int) -> int:
         return global_batch // (self.micro_batch * self.dp)
 
@@ -78,6 +88,7 @@ class Layout:
             sequence_parallel=sequence_parallel and self.tp > 1,
             context_parallel_size=self.cp,
             cp_comm_type=self.cp_comm_type,
+            expert_model_parallel_size=self.ep,
         )
 
     def optimizer_config(self, half_precision: bool) -> OptimizerConfig:
@@ -95,7 +106,8 @@ class Layout:
 
     def describe(self) -> str:
         """`TP8 PP4 VP2 DP32 mb1 full dist-opt interleaved-1f1b`, `TP1 PP1 DP64 mb1 none
-        ZeRO-3 1f1b`, `TP8 CP4 (a2a) PP1 DP2 mb1 none 1f1b`."""
+        ZeRO-3 1f1b`, `TP8 CP4 (a2a) PP1 DP2 mb1 none 1f1b`, `TP2 PP1 DP8 EP8 mb1 none
+        dist-opt 1f1b` (EP1 unnamed; a dispatcher other than alltoall in brackets)."""
         parts = [f"TP{self.tp}"]
         if self.cp > 1:
             parts.append(f"CP{self.cp}" + ("" if self.cp_comm_type == "p2p" else
@@ -103,7 +115,11 @@ class Layout:
         parts.append(f"PP{self.pp}")
         if self.vp > 1:
             parts.append(f"VP{self.vp}")
-        parts += [f"DP{self.dp}", f"mb{self.micro_batch}", self.recompute]
+        parts.append(f"DP{self.dp}")
+        if self.ep > 1:
+            parts.append(f"EP{self.ep}" + ("" if self.moe_dispatcher == "alltoall" else
+                                            f" ({self.moe_dispatcher})"))  # fmt: skip
+        parts += [f"mb{self.micro_batch}", self.recompute]
         if SHARDING[self.sharding]:
             parts.append(SHARDING[self.sharding])
         parts.append(self.schedule)

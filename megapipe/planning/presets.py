@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megapipe.config import ModelConfig
+from megapipe.config import ModelConfig, MoEConfig
 
 
 def gpt(layers: int, hidden: int, heads: int, vocab: int = 50257, seq: int = 2048) -> ModelConfig:
@@ -94,7 +94,26 @@ def published_batch(preset: str | None) -> int | None:
     return GPT3_BATCH.get(preset) or runs.get(preset) if preset else None
 
 
+def mixtral(layers: int, hidden: int, heads: int, ffn: int, vocab: int) -> ModelConfig:
+    """A Mixtral-style MoE: 8 SwiGLU experts top-2 on every layer, GQA with 8 groups, rope,
+    RMSNorm, no biases, untied embeddings; 4,096-token training sequences."""
+    return ModelConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                       num_query_groups=8, vocab_size=vocab, seq_length=4096,
+                       max_position_embeddings=4096, ffn_hidden_size=ffn, swiglu=True,
+                       position_embedding_type="rope", normalization="RMSNorm",
+                       add_bias_linear=False, untie_embeddings_and_output_weights=True,
+                       moe=MoEConfig(num_experts=8, moe_router_topk=2))  # fmt: skip
+
+
+# Mistral AI's Mixtral 8x7B (46.7B parameters, 12.9B active) and 8x22B (141B, 39B active):
+# the shapes of their published Hugging Face configs (config.json), sequences of 4,096 tokens.
+MOE: dict[str, ModelConfig] = {
+    "mixtral-8x7b": mixtral(32, 4096, 32, 14336, 32000),
+    "mixtral-8x22b": mixtral(56, 6144, 48, 16384, 32768),
+}
+
 MODELS: dict[str, ModelConfig] = {
     **GPT3,
     **{run.name: run.model for run in MEGATRON_WEAK_SCALING},
+    **MOE,
 }

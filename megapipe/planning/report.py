@@ -4,7 +4,7 @@ parallelism (ZeRO-2/3) beats model parallelism on the cluster, what was rejected
 from __future__ import annotations
 
 from megapipe.config import ModelConfig
-from megapipe.pipeline.stage_memory import stage_parameters
+from megapipe.pipeline.stage_parameters import active_parameters, stage_parameters
 from megapipe.planning.cluster import GIB
 from megapipe.planning.layout import FSDP_SHARDING, SHARDING
 from megapipe.planning.search import Evaluated, Plan
@@ -13,10 +13,19 @@ from megapipe.planning.search import Evaluated, Plan
 def describe_model(model: ModelConfig) -> str:
     params = stage_parameters(model, model.num_layers, True, True, 1)
     mlp = "SwiGLU" if model.swiglu else "GeLU"
+    moe, active = model.moe, ""
+    if moe is not None:
+        layers = sum(model.is_moe_layer(i) for i in range(model.num_layers))
+        shared = moe.moe_shared_expert_intermediate_size
+        mlp += (f", {moe.num_experts} experts (ffn {model.moe_ffn_hidden_size}) top-"
+                f"{moe.moe_router_topk} on {layers} layers"
+                + (f" + a shared expert (ffn {shared})" if shared else ""))  # fmt: skip
+        active = f" ({active_parameters(model) / 1e9:.2f}B active per token)"
     return (
         f"{model.num_layers} layers, hidden {model.hidden_size}, {model.num_attention_heads} "
         f"heads ({model.num_query_groups} query groups), ffn {model.ffn_hidden_size} {mlp}, "
         f"vocab {model.vocab_size}, seq {model.seq_length}: {params / 1e9:.2f}B parameters"
+        f"{active}"
     )
 
 
@@ -31,9 +40,10 @@ def time_terms(entry: Evaluated) -> str:
 def memory_terms(entry: Evaluated) -> str:
     m = entry.memory
     gathered = f" + gathered params {m.gathered / GIB:.1f}" if m.gathered else ""
+    experts = f", {m.expert_parameters / 1e6:.0f}M in experts" if m.expert_parameters else ""
     return (
         f"memory {m.total / GIB:.1f} GiB per GPU (largest: stage {m.stage}, "
-        f"{m.parameters / 1e6:.0f}M parameters) = params {m.params / GIB:.1f} + grads "
+        f"{m.parameters / 1e6:.0f}M parameters{experts}) = params {m.params / GIB:.1f} + grads "
         f"{m.grads / GIB:.1f} + optimizer {m.optimizer / GIB:.1f}{gathered} + activations "
         f"{m.activations / GIB:.1f} (micro-batches in flight: {m.in_flight})"
     )
@@ -49,19 +59,20 @@ def _row(rank: int, entry: Evaluated) -> str:
 
 def why_top(plan: Plan, alternatives: int = 4) -> list[str]:
     """The top layout's terms, and the terms in which the best layout of each other (TP, CP,
-    PP) loses to it."""
+    EP, PP) loses to it."""
     top = plan.ranked[0]
     lines = [f"why #1 ({top.layout.describe()}) wins:", f"  {time_terms(top)}",
              f"  {memory_terms(top)}"]  # fmt: skip
-    seen = {(top.layout.tp, top.layout.cp, top.layout.pp)}
+    seen = {(top.layout.tp, top.layout.cp, top.layout.ep, top.layout.pp)}
     others = []
     for rank, entry in enumerate(plan.ranked, 1):
-        key = (entry.layout.tp, entry.layout.cp, entry.layout.pp)
+        key = (entry.layout.tp, entry.layout.cp, entry.layout.ep, entry.layout.pp)
         if key not in seen:
             seen.add(key)
             others.append((rank, entry))
     if others:
-        lines.append("  the best layout of each other (TP, CP, PP), and what it loses on:")
+        what = "TP, CP, EP, PP" if plan.model.moe is not None else "TP, CP, PP"
+        lines.append(f"  the best layout of each other ({what}), and what it loses on:")
     for rank, entry in others[:alternatives]:
         diffs = _differences(entry, top)
         worst = sorted(diffs.items(), key=lambda kv: -kv[1])[:2]

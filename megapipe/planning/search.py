@@ -5,8 +5,11 @@ or query groups do not divide by TP, a TP group would span two nodes (TP above, 
 divisor of, the GPUs per node; unless allowed: its all-reduces would leave NVLink), the layers
 do not divide by PP x VP, the global batch does not divide by micro-batch x DP, the schedule
 cannot run it (`schedules.validate_schedule`'s message), the sequence does not split into
-2 x CP chunks (or, for a2a, the heads per TP rank over CP), or its largest stage needs more
-than `memory_fraction` of the GPU's memory. Context parallelism is searched by default only
+2 x CP chunks (or, for a2a, the heads per TP rank over CP), EP does not divide the experts or
+DP x CP (a mixture of experts: EP ranks come from the DP x CP ranks), or its largest stage
+needs more than `memory_fraction` of the GPU's memory; an MoE model is not searched with full
+recomputation (its layers refuse it), nor with ZeRO-2/3 at EP = DP x CP, nor with a capacity factor
+at CP > 1 (both refused at start-up). Context parallelism is searched by default only
 for long sequences: CP sizes that leave each rank at least MIN_TOKENS_PER_CP_RANK tokens. The
 rest are ranked by estimated step time, then memory. Data-parallel sharding (no_shard,
 ZeRO-1/2/3) is searched only where DP x CP > 1: on one rank there is nothing to shard.
@@ -14,6 +17,7 @@ ZeRO-1/2/3) is searched only where DP x CP > 1: on one rank there is nothing to 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -21,12 +25,18 @@ from megapipe.config import ModelConfig
 from megapipe.errors import ConfigError
 from megapipe.pipeline import schedules
 from megapipe.planning.cluster import GIB, Cluster
-from megapipe.planning.layout import RECOMPUTE_MODES, SHARDING, Layout
+from megapipe.planning.layout import FSDP_SHARDING, RECOMPUTE_MODES, SHARDING, Layout
 from megapipe.planning.memory import LayoutMemory, layout_memory
 from megapipe.planning.time_model import StepTime, TimeKnobs, step_time, within_node
 
 MIN_TOKENS_PER_CP_RANK = 4096  # below this, CP's exchange outweighs what it saves (default)
 CP_SIZES = (1, 2, 4, 8, 16, 32)
+
+
+def default_expert_parallel(model: ModelConfig) -> tuple[int, ...]:
+    """The EP sizes searched when none are given: every divisor of the expert count (1 for a
+    dense model); each layout keeps those that divide its DP x CP."""
+    return tuple(divisors(model.moe.num_experts)) if model.moe is not None else (1,)
 
 
 def default_context_parallel(seq_length: int) -> tuple[int, ...]:
@@ -52,6 +62,9 @@ class PlanOptions:
     # CP sizes (None: default_context_parallel) and --cp-comm-type values to search
     context_parallel: tuple[int, ...] | None = None
     cp_comm_types: tuple[str, ...] = ("p2p",)
+    # EP sizes (None: default_expert_parallel) and --moe-token-dispatcher-type values to search
+    expert_parallel: tuple[int, ...] | None = None
+    moe_dispatchers: tuple[str, ...] = ("alltoall",)
 
 
 @dataclass(frozen=True)
@@ -145,6 +158,12 @@ def plan(
     result = Plan(model, cluster, global_batch, options)
     reject = result.rejected.append
     world = cluster.world_size
+    if model.moe is not None and "full" in options.recompute:  # refused at start-up
+        reject(Rejected("full", "MoE recompute", "MoE layers refuse full recomputation "
+                        "(--recompute-granularity full)"))  # fmt: skip
+        recompute = tuple(r for r in options.recompute if r != "full")
+        options = dataclasses.replace(options, recompute=recompute)
+        result.options = options
     for tp in divisors(world):
         if model.num_attention_heads % tp or model.num_query_groups % tp:
             what = "heads" if model.num_attention_heads % tp else "query groups"
@@ -179,6 +198,11 @@ def _context_parallel_for(
             reason = f"sequence ({model.seq_length}) not divisible by 2 x CP ({2 * cp})"
             reject(Rejected(f"TP{tp} CP{cp}", "seq % 2CP", reason))
             continue
+        if cp > 1 and model.moe is not None and model.moe.moe_expert_capacity_factor:
+            reject(Rejected(f"TP{tp} CP{cp}", "capacity with CP", "an expert's capacity is "
+                            "taken over the whole micro-batch, which no CP rank holds "
+                            "(--moe-expert-capacity-factor)"))  # fmt: skip
+            continue
         for comm_type in options.cp_comm_types if cp > 1 else ("p2p",):
             heads, groups = model.num_attention_heads // tp, model.num_query_groups // tp
             if comm_type == "a2a" and (heads % cp or groups % cp):
@@ -187,6 +211,24 @@ def _context_parallel_for(
                                 f"divisible by CP ({cp})"))  # fmt: skip
                 continue
             yield cp, comm_type
+
+
+def _expert_parallel_for(
+    model: ModelConfig, options: PlanOptions, where: str, reject
+) -> list[tuple[int, str]]:
+    """(EP size, dispatcher) pairs to search (EP 1: the local sort, no dispatcher to choose);
+    sizes that do not divide the expert count rejected with the reason."""
+    if model.moe is None:
+        return [(1, "alltoall")]
+    pairs = []
+    for ep in options.expert_parallel or default_expert_parallel(model):
+        if model.moe.num_experts % ep:
+            reject(Rejected(f"{where} EP{ep}", "experts % EP",
+                            f"experts ({model.moe.num_experts}) not divisible by EP "
+                            f"({ep})"))  # fmt: skip
+            continue
+        pairs += [(ep, d) for d in (options.moe_dispatchers if ep > 1 else ("alltoall",))]
+    return pairs
 
 
 def _search_model_parallel(
@@ -203,8 +245,18 @@ def _search_model_parallel(
     reject = result.rejected.append
     world = cluster.world_size
     cp_name = "" if cp == 1 else f" CP{cp}" + ("" if comm_type == "p2p" else f" ({comm_type})")
+    experts = _expert_parallel_for(model, options, f"TP{tp}{cp_name}", reject)
     for pp in divisors(world // (tp * cp)):
         dp = world // (tp * cp * pp)
+        fitting = [(ep, d) for ep, d in experts if (dp * cp) % ep == 0]
+        for ep in sorted({ep for ep, _ in experts if (dp * cp) % ep}):
+            reject(Rejected(f"TP{tp}{cp_name} PP{pp} DP{dp} EP{ep}", "DP x CP % EP",
+                            f"DP x CP ({dp} x {cp}) not divisible by EP ({ep})"))  # fmt: skip
+        sharded = [x for x in options.sharding if x in FSDP_SHARDING] if dp * cp > 1 else []
+        for ep in sorted({ep for ep, _ in fitting if ep == dp * cp > 1}) if sharded else ():
+            reject(Rejected(f"TP{tp}{cp_name} PP{pp} DP{dp} EP{ep} {'/'.join(sharded)}",
+                            "ZeRO-2/3 with EP", "ZeRO-2/3 with EP = DP x CP: no two ranks "
+                            "hold the same experts to shard them over"))  # fmt: skip
         for kind, vp in _schedules_for(options, pp):
             where = f"TP{tp}{cp_name} PP{pp}" + (f" VP{vp}" if vp > 1 else "")
             if model.num_layers % (pp * vp):
@@ -224,13 +276,16 @@ def _search_model_parallel(
                 except ConfigError as error:
                     reject(Rejected(f"{where} DP{dp} mb{mb} {kind}", "schedule", str(error)))
                     continue
-                for recompute in options.recompute:
-                    # sharding over DP x CP: CP ranks hold the same parameters
-                    for sharding in options.sharding if dp * cp > 1 else ("no_shard",):
-                        layout = Layout(tp, pp, dp, vp, mb, recompute, sharding, kind, cp,
-                                        comm_type)  # fmt: skip
-                        entry = _evaluate(model, cluster, global_batch, options, layout)
-                        if isinstance(entry, Rejected):
-                            reject(entry)
-                        else:
-                            result.ranked.append(entry)
+                for ep, dispatcher in fitting:
+                    for recompute in options.recompute:
+                        # sharding over DP x CP: CP ranks hold the same parameters
+                        for sharding in options.sharding if dp * cp > 1 else ("no_shard",):
+                            if ep == dp * cp > 1 and sharding in FSDP_SHARDING:
+                                continue  # rejected above
+                            layout = Layout(tp, pp, dp, vp, mb, recompute, sharding, kind, cp,
+                                            comm_type, ep, dispatcher)  # fmt: skip
+                            entry = _evaluate(model, cluster, global_batch, options, layout)
+                            if isinstance(entry, Rejected):
+                                reject(entry)
+                            else:
+                                result.ranked.append(entry)

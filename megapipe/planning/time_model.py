@@ -66,6 +66,12 @@ Assumptions (stated, each a knob or a line here):
   - a2a: all-to-alls of q, k, v and the output forward and again backward, (CP - 1)/CP of
     the local bytes each, not overlapped.
   Recomputation (full, or selective of the attention core) runs the forward's share again.
+* MoE (expert_time.py): compute is the active parameters' FLOPs (router, top-k experts,
+  shared expert; balanced routing gives every EP rank T k rows); each MoE layer adds the
+  expert-parallel token exchange ("EP comm": alltoall's 4 all-to-alls or allgather's gathers
+  and reduce-scatters, over NVLink when TP x EP fits a node), its experts' TP all-reduces
+  carry R = T k rows instead of T; expert gradients reduce (and, sharded, gather) over the
+  expert-DP ranks DP x CP / EP, dense ones over DP x CP.
 * Latency: every collective and send above also costs the cluster's `collective_latency_us`
   (TP: each all-reduce; PP: each send; DP: each bucket's collective, two with the distributed
   optimizer; ZeRO-2/3: each FSDP group's collectives, per micro-batch). Small for large
@@ -84,8 +90,9 @@ from dataclasses import dataclass
 from megapipe.config import ModelConfig
 from megapipe.distributed.grad_buffer import DEFAULT_BUCKET_SIZE
 from megapipe.pipeline.partition import partition_layers
-from megapipe.pipeline.stage_memory import stage_parameters
+from megapipe.pipeline.stage_memory import stage_expert_parameters, stage_parameters
 from megapipe.planning.cluster import Cluster
+from megapipe.planning.expert_time import ep_span, expert_parallel_seconds, moe_tensor_parallel
 from megapipe.planning.layout import Layout
 from megapipe.planning.schedule_model import bubble_fraction
 from megapipe.training.flops import flops_per_iteration
@@ -129,11 +136,12 @@ class StepTime:
     world_size: int
     dp_gather: float = 0.0  # the parameter all-gathers' part of dp_comm (ZeRO-1/2/3)
     cp_comm: float = 0.0  # context parallelism's exposed K/V exchange
+    ep_comm: float = 0.0  # expert parallelism's token exchange (MoE layers)
 
     @property
     def total(self) -> float:
         return (self.compute + self.bubble + self.tp_comm + self.pp_comm + self.dp_comm
-                + self.cp_comm)  # fmt: skip
+                + self.cp_comm + self.ep_comm)  # fmt: skip
 
     @property
     def tflops_per_gpu(self) -> float:
@@ -145,6 +153,8 @@ class StepTime:
                  "PP comm": self.pp_comm, "DP comm": self.dp_comm}  # fmt: skip
         if self.cp_comm:
             terms["CP comm"] = self.cp_comm
+        if self.ep_comm:
+            terms["EP comm"] = self.ep_comm
         return terms
 
 
@@ -178,6 +188,10 @@ def within_node(cluster: Cluster, span: int) -> bool:
 
 def _bandwidth(cluster: Cluster, span: int) -> float:
     return cluster.intra_node_gbps if within_node(cluster, span) else cluster.inter_node_gbps
+
+
+def ep_bandwidth(cluster: Cluster, layout: Layout) -> float:
+    return _bandwidth(cluster, ep_span(layout))
 
 
 def tp_bandwidth(cluster: Cluster, layout: Layout) -> float:
@@ -233,11 +247,13 @@ def data_parallel_seconds(
     params: int,
     groups: int,
     compute_per_microbatch: float,
+    ranks: int | None = None,
 ) -> DataParallelTime:
     """The DP term of the module docstring for a stage of `params` parameters (one TP rank's)
-    in `groups` FSDP groups, whose micro-batch computes for `compute_per_microbatch` s."""
-    d, g = layout.dp * layout.cp, knobs.dtype_bytes  # gradients reduce over DP x CP
-    if d == 1:
+    in `groups` FSDP groups, whose micro-batch computes for `compute_per_microbatch` s,
+    reduced over `ranks` (default DP x CP; expert parameters: the expert-DP ranks)."""
+    d, g = ranks or layout.dp * layout.cp, knobs.dtype_bytes  # gradients reduce over DP x CP
+    if d == 1 or params == 0:
         return DataParallelTime()
     gbps = dp_bandwidth(cluster, layout)
     shard_gbps = gbps * cluster.shard_collective_efficiency  # reduce-scatters, all-gathers
@@ -310,8 +326,10 @@ def step_time(
     c = layout.cp  # each CP rank computes and moves S / CP tokens of every sequence
     m = layout.num_microbatches(global_batch)
     vocab = model.padded_vocab_size(t)
-    layer_fwd, logits_fwd, core_fwd = _forward_flops(model, b, vocab)
+    layer_fwd, logits_fwd, core_fwd = _forward_flops(_dense(model), b, vocab)
+    moe_fwd = _forward_flops(_all_moe(model), b, vocab)[0] if model.moe else 0
     recompute = {"none": 0, "selective": core_fwd, "full": layer_fwd}[layout.recompute]
+    moe_recompute = {"none": 0, "selective": core_fwd, "full": moe_fwd}[layout.recompute]
     rate = cluster.peak_tflops * 1e12 * cluster.matmul_efficiency
     activation = model.seq_length // c * b * model.hidden_size * knobs.dtype_bytes
     latency = cluster.collective_latency_us * 1e-6
@@ -335,23 +353,50 @@ def step_time(
     qkv = (model.num_attention_heads + 2 * model.num_query_groups) * model.head_dim
     fc1 = model.ffn_hidden_size * (2 if model.swiglu else 1)
     per_layer = forward_all_reduces * all_reduce + behind_weight_grad(qkv) + behind_weight_grad(fc1)
+    per_moe_layer = 0.0
+    if model.moe is not None and t > 1:  # the attention's pair, and the experts' (R rows)
+        tp_gbps = tp_bandwidth(cluster, layout)
+
+        def reduce(nbytes: float) -> float:
+            return ring_all_reduce_seconds(nbytes, t, tp_gbps) + fixed_cost(t)
+
+        moe_tp = moe_tensor_parallel(model, layout, knobs.dtype_bytes)
+        per_moe_layer = forward_all_reduces // 2 * all_reduce + behind_weight_grad(qkv)
+        per_moe_layer += sum(reduce(nbytes) for nbytes in moe_tp.forward)
+        for nbytes, flops in moe_tp.backward:
+            hidden = flops / rate if knobs.tp_weight_grad_overlap else 0.0
+            per_moe_layer += max(0.0, reduce(nbytes) - hidden)
     output_layer = behind_weight_grad(vocab) + fixed_cost(t)  # + the CE all-gather
     ring = context_parallel_seconds(model, layout, cluster, knobs, core_fwd / t / rate)
+    exchange = expert_parallel_seconds(
+        model, layout, cluster, ep_bandwidth(cluster, layout), knobs.dtype_bytes
+    )
     stage_map = partition_layers(model, p, v)
     stages = []
     for rank in sorted({0, p - 1}):
-        layers = sum(len(chunk) for chunk in stage_map.layers[rank])
+        indices = [i for chunk in stage_map.layers[rank] for i in chunk]
+        layers = len(indices)
+        moe_layers = sum(1 for i in indices if model.is_moe_layer(i))
+        dense_layers = layers - moe_layers
         first, last = rank == 0, rank == p - 1
-        flops = layers * (3 * layer_fwd + recompute) + (3 * logits_fwd if last else 0)
+        flops = dense_layers * (3 * layer_fwd + recompute) + (3 * logits_fwd if last else 0)
+        flops += moe_layers * (3 * moe_fwd + moe_recompute)
         compute = flops / (t * c) / rate
-        tp = layers * per_layer + first * all_reduce + last * output_layer
+        tp = dense_layers * per_layer + moe_layers * per_moe_layer
+        tp += first * all_reduce + last * output_layer
         tp *= 1 - knobs.tp_overlap
         cp = layers * ring  # the CP exchange of the stage's layers
-        params = stage_parameters(model, layers, first, last, t)
+        ep = moe_layers * exchange  # the EP token exchange of its MoE layers
+        params = stage_parameters(model, indices, first, last, t, layout.ep)
+        experts = stage_expert_parameters(model, indices, t, layout.ep)
         roots = int(first) + int(last) - int(first and last and v == 1)  # embedding, head
-        dp = data_parallel_seconds(layout, cluster, knobs, params, layers + roots, compute)
-        stages.append((compute + tp + cp + dp.per_microbatch, compute, tp, cp, dp))
-    _, compute, tp, cp, dp = max(stages, key=lambda s: s[0])
+        dense = data_parallel_seconds(layout, cluster, knobs, params - experts, layers + roots,
+                                      compute)  # fmt: skip
+        expert = data_parallel_seconds(layout, cluster, knobs, experts, moe_layers, compute,
+                                       ranks=layout.expert_dp)  # fmt: skip
+        dp = _sum(dense, expert)
+        stages.append((compute + tp + cp + ep + dp.per_microbatch, compute, tp, cp, dp, ep))
+    _, compute, tp, cp, dp, ep = max(stages, key=lambda s: s[0])
     filling = min(s[0] for s in stages)
     once = max(s[4].once for s in stages)
     gather = max(s[4].once_gather for s in stages) + m * dp.gather_per_microbatch
@@ -370,4 +415,22 @@ def step_time(
         world_size=layout.world_size,
         dp_gather=gather,
         cp_comm=m * cp,
+        ep_comm=m * ep,
     )
+
+
+def _dense(model: ModelConfig) -> ModelConfig:
+    """The model with every layer dense (its dense layers' FLOPs)."""
+    return model if model.moe is None else dataclasses.replace(model, moe=None)
+
+
+def _all_moe(model: ModelConfig) -> ModelConfig:
+    """The model with every layer an MoE (its MoE layers' FLOPs)."""
+    return dataclasses.replace(model, moe=dataclasses.replace(model.moe, moe_layer_freq=1))
+
+
+def _sum(a: DataParallelTime, b: DataParallelTime) -> DataParallelTime:
+    """Dense and expert parameters' DP terms together."""
+    return DataParallelTime(a.once + b.once, a.once_gather + b.once_gather,
+                            a.per_microbatch + b.per_microbatch,
+                            a.gather_per_microbatch + b.gather_per_microbatch)  # fmt: skip
