@@ -378,9 +378,12 @@ FLAG_CASES: list[tuple[Bad, dict, list[str], int]] = [
     (B("a --moe-layer-freq that is no int or list", "--moe-layer-freq x: expected an int >= 1 "
        "or a list of 0/1", "write it as N or as [1,0,1,0]"),
      {"num_experts": 4, "moe_layer_freq": "x"}, [], 1),
-    (B("MoE with checkpoints", "--num-experts 4 with --save: checkpoints of MoE models "
-       "(Megatron-Core's expert key names) are not supported yet", "drop --save / --load for "
-       "MoE runs until MoE checkpoints land"), {"num_experts": 4, "save": "/tmp/x"}, [], 1),
+    (B("expert parallelism saving the legacy checkpoint format", "--expert-model-parallel-size "
+       "2 with --ckpt-format torch: the legacy format is written per (TP, PP) rank and would "
+       "lose the other EP ranks' experts; use --ckpt-format torch_dist",
+       "save with --ckpt-format torch_dist (the default), which any EP size loads"),
+     {"num_experts": 4, "expert_model_parallel_size": 2, "save": "/tmp/x",
+      "ckpt_format": "torch"}, [], 2),
     (B("an MoE capacity factor with context parallelism", "--moe-expert-capacity-factor 1.0 "
        "with --context-parallel-size 2: an expert's capacity is taken over the whole "
        "micro-batch, which no CP rank holds; drop the capacity factor (dropless) under CP",
@@ -998,6 +1001,24 @@ def test_the_inference_and_plot_tools_fail_in_one_line(tool, argv, status, line,
 # --- checkpoints ----------------------------------------------------------------------------
 
 ELSEWHERE_CHECKPOINTS = [
+    Bad("an MoE model exported to Hugging Face with what MixtralForCausalLM cannot hold (shared "
+        "experts, sigmoid or pre-softmax routing, a top-k scaling factor, --moe-layer-freq other "
+        "than 1, biases, a capacity factor)", "--moe-shared-expert-intermediate-size has no "
+        "Hugging Face equivalent: MixtralForCausalLM has no shared expert", "export only "
+        "Mixtral-shaped MoE models (softmax top-k on every layer, no biases); keep the megapipe "
+        "checkpoint for the others", "tests/test_mixtral_hf.py::"
+        "test_what_mixtral_cannot_hold_is_refused", key="has no Hugging Face equivalent"),
+    Bad("a Megatron-LM MoE checkpoint with add_bias_linear (Megatron-Core's router bias) or in "
+        "the legacy torch format", "with add_bias_linear (a bias on the MoE router, which "
+        "megapipe's router lacks) is a model megapipe cannot build yet", "read MoE checkpoints "
+        "of runs with --disable-bias-linear, saved as torch_dist",
+        "tests/test_moe_megatron_core_checkpoint.py::"
+        "test_moe_checkpoints_move_between_megatron_core_and_megapipe",
+        key="router, which megapipe's router lacks"),
+    Bad("a Mixtral config.json with what megapipe lacks (sliding_window, router_jitter_noise, "
+        "num_experts_per_tok 1)", "sliding_window 8: megapipe's attention is full",
+        "import Mixtral models with full attention, no router jitter and top-k of 2 or more",
+        "tests/test_mixtral_hf.py::test_a_mixtral_megapipe_cannot_run_is_refused"),
     Bad("a truncated shard (torch_dist)", "bytes, ", "the file was damaged after saving: load "
         "an earlier iteration with --ckpt-step N", "tests/test_torch_dist.py::"
         "test_checksum_failures_name_the_file"),

@@ -254,12 +254,6 @@ def validate_moe_features(
                 f"--expert-model-parallel-size {ep} with --num-distributed-optimizer-instances "
                 f"{optimizer.num_distributed_optimizer_instances}: not supported yet"
             )
-    if checkpoint.save is not None or checkpoint.load is not None:
-        given = "--save" if checkpoint.save is not None else "--load"
-        raise ConfigError(
-            f"--num-experts {e} with {given}: checkpoints of MoE models (Megatron-Core's "
-            "expert key names) are not supported yet"
-        )
     cp = parallel.context_parallel_size
     if cp > 1 and moe.moe_expert_capacity_factor is not None:
         raise ConfigError(

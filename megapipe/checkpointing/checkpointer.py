@@ -19,7 +19,7 @@ import torch
 
 from megapipe.checkpointing import legacy_torch
 from megapipe.checkpointing.async_save import AsyncSaver, new_saving_group
-from megapipe.checkpointing.layout_free import fit_vocabulary
+from megapipe.checkpointing.layout_free import fit_vocabulary, stacks_layers
 from megapipe.checkpointing.load_plan import Held, LoadPlan, Request, plan_load
 from megapipe.checkpointing.megatron_args import megatron_namespace
 from megapipe.checkpointing.run_state import (
@@ -62,6 +62,7 @@ class Checkpointer:
         self.optimizer, self.rng = optimizer, rng
         self.checkpoint = configs.checkpoint
         self.num_layers = configs.model.num_layers
+        self.stacked = stacks_layers(configs.model)  # Megatron-Core's naming of the layers
         self.layout = layout_of(state, configs.parallel.virtual_pipeline_model_parallel_size)
         self.saver: AsyncSaver | None = None
         if self.checkpoint.async_save and self.checkpoint.save is not None:
@@ -113,7 +114,12 @@ class Checkpointer:
             return os.path.abspath(directory), time.perf_counter() - start
         optimizer = None if checkpoint.no_save_optim else self.optimizer
         shards = state_to_save(
-            self.chunks, optimizer, self.state, self.num_layers, model_owner=self.optimizer
+            self.chunks,
+            optimizer,
+            self.state,
+            self.num_layers,
+            model_owner=self.optimizer,
+            stacked=self.stacked,
         )
         if not checkpoint.no_save_rng:
             shards.update(rng_shards(self.rng, self.state))
@@ -130,7 +136,9 @@ class Checkpointer:
             "megapipe_args": dict(self.configs.arguments),
             "true_vocab_size": self.configs.model.vocab_size,
         }
-        objects = extra_state_to_save(self.chunks, self.state, self.num_layers)
+        objects = extra_state_to_save(
+            self.chunks, self.state, self.num_layers, stacked=self.stacked
+        )
         if self.saver is not None:
             self.saver.save(
                 directory, shards, common, coordinator=coordinator, then=then, objects=objects
@@ -185,7 +193,9 @@ class Checkpointer:
     def _load_torch_dist(self, plan: LoadPlan, common: dict) -> None:
         """Restore a torch_dist checkpoint as `plan` says (collective)."""
         optimizer = self.optimizer if plan.optimizer else None
-        shards = state_to_load(self.chunks, optimizer, self.state, self.num_layers)
+        shards = state_to_load(
+            self.chunks, optimizer, self.state, self.num_layers, stacked=self.stacked
+        )
         available = sharded_keys(plan.directory)
         masters = [k for k in shards if k.startswith("optimizer.state.fp32_param.")]
         masters_loaded = bool(masters) and all(k in available for k in masters)

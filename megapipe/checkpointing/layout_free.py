@@ -1,15 +1,21 @@
 """Model and optimizer state as pieces of layout-free logical tensors, and back.
 
 Every parameter is described globally by its `ParamMeta` (full shape, the dimension TP splits,
-SwiGLU's stride, the real vocabulary rows of a padded embedding) and its global name. This
-module turns a rank's TP-local tensors, and its fp32 masters and Adam moments (whole or, with the
-distributed optimizer, a flat range of them), into `TensorShard`s of logical tensors whose names
-and shapes are the same for every layout:
+SwiGLU's stride, the real vocabulary rows of a padded embedding, whether EP splits its
+experts) and its global name. This module turns a rank's TP-local (and EP-local) tensors, and
+its fp32 masters and Adam moments (whole or, with the distributed optimizer, a flat range of
+them), into `TensorShard`s of logical tensors whose names and shapes are the same for every
+layout (`regions` maps local data to global blocks):
 
 - names follow Megatron-Core's `torch_dist` checkpoints: transformer layers are *stacked* (the
   layer index is a leading axis: `decoder.layers.mlp.linear_fc1.weight` of shape
   [num_layers, ...]) and the norms take TransformerEngine's fused names
-  (`input_layernorm.weight` -> `self_attention.linear_qkv.layer_norm_weight`);
+  (`input_layernorm.weight` -> `self_attention.linear_qkv.layer_norm_weight`). MoE layers
+  follow Megatron-Core's SequentialMLP: `mlp.router.weight` [E, h], `mlp.router.expert_bias`
+  [E] (a buffer), the stacked experts as `mlp.experts.experts.linear_fc1.weight` [E, fc1, h]
+  (`linear_fc2.weight` [E, h, ffn], `.bias` alike), `mlp.shared_experts.*` as a dense MLP;
+  with MoE on only some layers, no layer is stacked (`stacks_layers`: every layer has its own
+  keys `decoder.layers.<i>.<name>`, as Megatron-Core's non-homogeneous layers);
 - the vocabulary tensors (`embedding.word_embeddings.weight`, `output_layer.weight` and their
   optimizer states) are written with the saving run's padded rows, as Megatron-LM builds its
   model (`padded_vocab_size` rows), so Megatron-Core loads them as they are. The padding depends
@@ -31,121 +37,75 @@ the live tensors) and loading (the same views are the destinations, filled in pl
 
 from __future__ import annotations
 
-import io
+import math
 import re
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
 
 from megapipe.checkpointing.errors import CheckpointError
+from megapipe.checkpointing.extra_state import EXTRA_STATE_SITES, extra_state_entries
+from megapipe.checkpointing.regions import Region, regions
 from megapipe.checkpointing.shards import ShardedState, TensorShard
+from megapipe.config import ModelConfig
 from megapipe.distributed.fsdp import local_part
 from megapipe.layers.param_meta import ParamMeta
 
+__all__ = ["EXTRA_STATE_SITES", "Region", "extra_state_entries", "regions"]  # re-exported
+
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-# megapipe's per-layer names -> Megatron-Core's (TransformerEngine-fused norms)
-_NORM_NAMES = {
+# megapipe's per-layer names -> Megatron-Core's: TransformerEngine-fused norms (MoE layers
+# too), and the stacked experts as SequentialMLP's `experts.experts.*` with an expert axis
+_LAYER_NAMES = {
     "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
     "input_layernorm.bias": "self_attention.linear_qkv.layer_norm_bias",
     "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
     "pre_mlp_layernorm.bias": "mlp.linear_fc1.layer_norm_bias",
+    "mlp.experts.weight1": "mlp.experts.experts.linear_fc1.weight",
+    "mlp.experts.weight2": "mlp.experts.experts.linear_fc2.weight",
+    "mlp.experts.bias1": "mlp.experts.experts.linear_fc1.bias",
+    "mlp.experts.bias2": "mlp.experts.experts.linear_fc2.bias",
 }
+# checkpointed buffers (no parameters): the router's expert bias, as Megatron-Core keeps it
+EXPERT_BIAS = "mlp.router.expert_bias"
 OPTIMIZER_STATES = ("exp_avg", "exp_avg_sq", "momentum_buffer")
 # logical tensors with vocabulary rows (padded to the saving layout's padded_vocab_size)
 VOCABULARY = ("embedding.word_embeddings.weight", "output_layer.weight")
-# the linears of Megatron-Core's layer spec: one `_extra_state` entry each per layer
-EXTRA_STATE_SITES = (
-    "self_attention.linear_proj",
-    "self_attention.linear_qkv",
-    "mlp.linear_fc1",
-    "mlp.linear_fc2",
-)
 
 
-def logical_name(name: str) -> tuple[str, int | None]:
-    """(stacked logical name, layer index or None) of a global parameter name."""
+def stacks_layers(config: ModelConfig) -> bool:
+    """Whether the checkpoint stacks the layers (a leading layer axis), as Megatron-Core does
+    unless the layers differ: with MoE on only some layers (`--moe-layer-freq` above 1, or a
+    list) every layer has its own keys, `decoder.layers.<i>.<name>`."""
+    return config.moe is None or config.moe.moe_layer_freq == 1
+
+
+def logical_name(name: str, stacked: bool = True) -> tuple[str, int | None]:
+    """(logical name, layer index to stack on or None) of a global parameter name."""
     match = _LAYER.match(name)
     if match is None:
         return name, None
-    rest = match.group(2)
-    return f"decoder.layers.{_NORM_NAMES.get(rest, rest)}", int(match.group(1))
+    rest = _LAYER_NAMES.get(match.group(2), match.group(2))
+    if not stacked:
+        return f"decoder.layers.{match.group(1)}.{rest}", None
+    return f"decoder.layers.{rest}", int(match.group(1))
 
 
-@dataclass(frozen=True)
-class _Region:
-    """A contiguous run [flat_start, flat_start + numel) of a local tensor's flat data that is
-    the rectangular block `shape` at `offsets` of the (unstacked) global tensor."""
-
-    flat_start: int
-    shape: tuple[int, ...]
-    offsets: tuple[int, ...]
-
-
-def _rows_of_flat_range(lo: int, hi: int, columns: int) -> Iterator[tuple[int, int, int, int]]:
-    """A flat range of a [rows, columns] tensor as (flat_start, row, first_col, ncols) for
-    partial rows and (flat_start, row, 0, -nrows) for a run of whole rows."""
-    row, col = divmod(lo, columns)
-    if col:
-        end = min(hi, (row + 1) * columns)
-        yield lo, row, col, end - lo
-        lo, row = end, row + 1
-    whole = (hi - lo) // columns
-    if whole:
-        yield lo, row, 0, -whole
-        lo, row = lo + whole * columns, row + whole
-    if lo < hi:
-        yield lo, row, 0, hi - lo
+def checkpointed_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """A module's tensors that checkpoints hold: its parameters, and its routers' expert
+    biases (buffers that are not in its state dict, updated outside the optimizer)."""
+    named: list[tuple[str, torch.Tensor]] = list(module.named_parameters())
+    for name, buffer in module.named_buffers():
+        if name.endswith(EXPERT_BIAS) and buffer is not None:
+            named.append((name, buffer))
+    return named
 
 
-def _global_rows(meta: ParamMeta, tp_rank: int, tp_size: int, local_rows: int, row: int, n: int):
-    """Split local rows [row, row + n) into runs that are contiguous globally (SwiGLU's two
-    blocks map apart): yields (local row, global row, count)."""
-    if meta.tp_dim != 0 or tp_size == 1:
-        yield row, row, n
-        return
-    block = local_rows // meta.tp_stride  # local rows per stride block
-    full_block = meta.full_shape[0] // meta.tp_stride
-    while n > 0:
-        b, within = divmod(row, block)
-        count = min(n, block - within)
-        yield row, b * full_block + tp_rank * block + within, count
-        row, n = row + count, n - count
-
-
-def regions(
-    meta: ParamMeta,
-    tp_rank: int,
-    tp_size: int,
-    local_shape: Sequence[int],
-    lo: int,
-    hi: int,
-    *,
-    real_rows_only: bool = False,
-) -> list[_Region]:
-    """The global blocks that the flat range [lo, hi) of a TP-local tensor covers (of the
-    padded global tensor; with `real_rows_only`, without its vocabulary padding rows)."""
-    if len(local_shape) not in (1, 2):
-        raise ValueError(f"parameters are 1-D or 2-D, got shape {tuple(local_shape)}")
-    two_d = len(local_shape) == 2
-    rows, columns = local_shape[0], (local_shape[1] if two_d else 1)
-    column_offset = tp_rank * columns if meta.tp_dim == 1 and tp_size > 1 else 0
-    real_rows = meta.full_shape[0]
-    if real_rows_only and meta.init_rows is not None:
-        real_rows = meta.init_rows
-    out: list[_Region] = []
-    for flat, row, col, ncols in _rows_of_flat_range(lo, hi, columns):
-        nrows, width = (-ncols, columns) if ncols < 0 else (1, ncols)
-        for local_row, global_row, count in _global_rows(meta, tp_rank, tp_size, rows, row, nrows):
-            count = min(count, real_rows - global_row)  # padding rows, when dropped
-            if count <= 0:
-                continue
-            start = flat + (local_row - row) * columns
-            if two_d:
-                out.append(_Region(start, (count, width), (global_row, column_offset + col)))
-            else:
-                out.append(_Region(start, (count * width,), (global_row,)))
-    return out
+def _meta(tensor: torch.Tensor) -> ParamMeta:
+    """A parameter's meta; a buffer is a replicated tensor of its own shape."""
+    meta = getattr(tensor, "meta", None)
+    return meta if meta is not None else ParamMeta(tuple(tensor.shape))
 
 
 def global_shape(meta: ParamMeta, *, real_rows_only: bool = False) -> tuple[int, ...]:
@@ -202,47 +162,48 @@ def saved_vocab_size(common: Mapping[str, object], saved: Mapping[str, Sequence[
     return int(saved[VOCABULARY[0]][0])
 
 
-def extra_state_entries(layers: Iterable[int], num_layers: int) -> dict[str, bytes]:
-    """Megatron-Core's `_extra_state` entries of the given (global) layer indices, as its
-    local spec writes them: `torch.save([None])` (its linears' get_extra_state() is None, and
-    it saves the list of a ShardedObject's data) under
-    `decoder.layers.<site>._extra_state/shard_<layer>_<num_layers>`. TransformerEngine's FP8
-    scaling state is not kept: a TE model loading None keeps its own (TE's set_extra_state
-    accepts None)."""
-    buffer = io.BytesIO()
-    torch.save([None], buffer)
-    data = buffer.getvalue()
-    return {
-        f"decoder.layers.{site}._extra_state/shard_{layer}_{num_layers}": data
-        for layer in sorted(set(layers))
-        for site in EXTRA_STATE_SITES
-    }
+@dataclass(frozen=True)
+class Placement:
+    """Where a rank's tensors sit: its TP and EP ranks, and how layers are named."""
+
+    tp_rank: int
+    tp_size: int
+    num_layers: int
+    ep_rank: int = 0
+    ep_size: int = 1
+    stacked: bool = True
 
 
 def _shards_of(
     flat: torch.Tensor,
     name: str,
     meta: ParamMeta,
-    tp_rank: int,
-    tp_size: int,
+    where: Placement,
     local_shape: Sequence[int],
     lo: int,
-    num_layers: int,
     loading: bool,
 ) -> tuple[str, list[TensorShard]]:
-    key, layer = logical_name(name)
+    key, layer = logical_name(name, where.stacked)
     shape = global_shape(meta, real_rows_only=loading)
     shards = []
-    hi = lo + flat.numel()
-    for region in regions(meta, tp_rank, tp_size, local_shape, lo, hi, real_rows_only=loading):
-        numel = 1
-        for size in region.shape:
-            numel *= size
+    found = regions(
+        meta,
+        where.tp_rank,
+        where.tp_size,
+        local_shape,
+        lo,
+        lo + flat.numel(),
+        real_rows_only=loading,
+        ep_rank=where.ep_rank,
+        ep_size=where.ep_size,
+    )
+    for region in found:
         start = region.flat_start - lo
-        view = flat[start : start + numel].view(region.shape)
+        view = flat[start : start + math.prod(region.shape)].view(region.shape)
         offsets, full = region.offsets, shape
         if layer is not None:
-            view, offsets, full = view.unsqueeze(0), (layer, *offsets), (num_layers, *shape)
+            view, offsets = view.unsqueeze(0), (layer, *offsets)
+            full = (where.num_layers, *shape)
         shards.append(TensorShard(view, offsets, full))
     return key, shards
 
@@ -258,32 +219,36 @@ def _wanted(meta: ParamMeta, tp_rank: int, loading: bool) -> bool:
 
 
 def model_shards(
-    named_params: Sequence[tuple[str, torch.nn.Parameter]],
+    named_params: Sequence[tuple[str, torch.Tensor]],
     tp_rank: int,
     tp_size: int,
     num_layers: int,
     *,
     loading: bool = False,
     dtype: torch.dtype | None = None,
+    ep_rank: int = 0,
+    ep_size: int = 1,
+    stacked: bool = True,
 ) -> ShardedState:
     """Views of this rank's parameters as pieces of the logical tensors: the pieces to write
     (each element once over the TP group, vocabulary padding included), or with `loading` the
     destinations to fill in place (mirrors read the tensor they mirror; the real vocabulary
     rows only, their global shape unpadded until `fit_vocabulary` sets the checkpoint's). An
-    FSDP2 parameter gives the rows it holds.
-    `dtype` (saving only): write copies in this dtype (FSDP2's fp32 shards of a bf16 run)."""
+    FSDP2 parameter gives the rows it holds. Expert parameters (`meta.expert_parallel`) are
+    the EP rank's block of experts; buffers (`checkpointed_tensors`) are replicated tensors.
+    `dtype` (saving only): write parameters' copies in this dtype (FSDP2's fp32 shards of a
+    bf16 run). `stacked`: `stacks_layers` of the model."""
+    where = Placement(tp_rank, tp_size, num_layers, ep_rank, ep_size, stacked)
     state: ShardedState = {}
     for name, param in named_params:
-        meta: ParamMeta = param.meta
+        meta = _meta(param)
         if not _wanted(meta, tp_rank, loading):
             continue
         source = meta.copy_of or name
         flat, lo = local_part(param)
-        if dtype is not None and not loading:
+        if dtype is not None and not loading and isinstance(param, torch.nn.Parameter):
             flat = flat.to(dtype)
-        key, shards = _shards_of(
-            flat, source, meta, tp_rank, tp_size, param.shape, lo, num_layers, loading
-        )
+        key, shards = _shards_of(flat, source, meta, where, param.shape, lo, loading)
         _add(state, key, shards)
     return state
 
@@ -296,12 +261,16 @@ def optimizer_shards(
     *,
     include_masters: bool,
     loading: bool = False,
+    ep_rank: int = 0,
+    ep_size: int = 1,
+    stacked: bool = True,
 ) -> ShardedState:
     """The optimizer's per-parameter state as pieces of logical tensors.
 
     `pieces`: (global name, parameter, flat start within the parameter, fp32 master slice,
     the optimizer's state tensors of that slice by name). Masters are included only when they
-    are not the parameters themselves (bf16/fp16 training). `loading` as in model_shards."""
+    are not the parameters themselves (bf16/fp16 training). The rest as in model_shards."""
+    where = Placement(tp_rank, tp_size, num_layers, ep_rank, ep_size, stacked)
     state: ShardedState = {}
     for name, param, lo, master, moments in pieces:
         meta: ParamMeta = param.meta
@@ -312,9 +281,6 @@ def optimizer_shards(
         if include_masters:
             tensors["fp32_param"] = master
         for kind, tensor in tensors.items():
-            flat = tensor.view(-1)
-            key, shards = _shards_of(
-                flat, source, meta, tp_rank, tp_size, param.shape, lo, num_layers, loading
-            )
+            key, shards = _shards_of(tensor.view(-1), source, meta, where, param.shape, lo, loading)
             _add(state, f"optimizer.state.{kind}.{key}", shards)
     return state

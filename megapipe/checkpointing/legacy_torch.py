@@ -38,6 +38,7 @@ from megapipe.atomic_files import fsync_path
 from megapipe.checkpointing import atomic_dir
 from megapipe.checkpointing.agreement import agree, attempt, gather
 from megapipe.checkpointing.errors import CheckpointError
+from megapipe.checkpointing.layout_free import checkpointed_tensors
 from megapipe.checkpointing.megatron_args import COMMON_PT_GLOBALS
 from megapipe.checkpointing.run_state import (
     CHECKPOINT_VERSION,
@@ -92,10 +93,19 @@ def renumber(name: str, mapping: dict[int, int]) -> str:
     return f"{LAYER_PREFIX}{mapping[int(index)]}.{rest}"
 
 
+def _tensors(chunk: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The chunk's state dict and the buffers checkpoints hold besides (routers' expert
+    biases, which are not in the state dict)."""
+    own = chunk.state_dict()
+    for name, tensor in checkpointed_tensors(chunk):
+        own.setdefault(name, tensor.detach())
+    return own
+
+
 def chunk_state(chunk: torch.nn.Module) -> dict[str, torch.Tensor]:
     """A chunk's state dict as Megatron writes it: local layer numbers, own storage."""
     to_local = {g: i for i, g in enumerate(_layer_ids(chunk))}
-    return {renumber(k, to_local): v.detach().clone() for k, v in chunk.state_dict().items()}
+    return {renumber(k, to_local): v.detach().clone() for k, v in _tensors(chunk).items()}
 
 
 def load_chunk_state(chunk: torch.nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
@@ -105,7 +115,7 @@ def load_chunk_state(chunk: torch.nn.Module, state: dict[str, torch.Tensor], whe
         renamed = {renumber(k, to_global): v for k, v in state.items()}
     except KeyError as e:
         raise CheckpointError(f"checkpoint file {where}: {e.args[0]}") from None
-    own = chunk.state_dict()
+    own = _tensors(chunk)
     missing, extra = sorted(set(own) - set(renamed)), sorted(set(renamed) - set(own))
     if missing or extra:
         raise CheckpointError(

@@ -79,7 +79,6 @@ COMMON = "common.pt"
 _RENAMED = {"layernorm_epsilon": "norm_epsilon"}
 # Megatron-LM arguments (value that megapipe supports) whose other values megapipe cannot build
 _SUPPORTED_ONLY = {
-    "num_experts": None,
     "multi_latent_attention": False,
     "apply_layernorm_1p": False,
     "mtp_num_layers": None,
@@ -188,6 +187,37 @@ def _unsupported(ns: argparse.Namespace, where: str) -> None:
             )
 
 
+# Megatron-LM MoE arguments (value megapipe supports) whose other values it cannot build
+_MOE_SUPPORTED_ONLY = {"moe_shared_expert_gate": False, "moe_router_num_groups": None}
+
+
+def _unsupported_moe(ns: argparse.Namespace, where: str, fmt: str) -> None:
+    """An MoE model megapipe reads: torch_dist (Megatron-Core's SequentialMLP keys, which
+    megapipe's own checkpoints use), without Megatron-Core's router bias."""
+    experts = getattr(ns, "num_experts", None)
+    if not experts:
+        return
+    if getattr(ns, "add_bias_linear", True):
+        raise CheckpointError(
+            f"checkpoint {where}: Megatron-LM's num_experts = {experts} with add_bias_linear (a "
+            "bias on the MoE router, which megapipe's router lacks) is a model megapipe cannot "
+            "build yet"
+        )
+    if fmt == "torch":
+        raise CheckpointError(
+            f"checkpoint {where}: a legacy torch checkpoint of an MoE model (Megatron-LM's "
+            f"num_experts = {experts}) is not read yet; convert it to torch_dist with "
+            "Megatron-LM first"
+        )
+    for name, supported in _MOE_SUPPORTED_ONLY.items():
+        value = getattr(ns, name, supported)
+        if value not in (supported, None, False, 0):
+            raise CheckpointError(
+                f"checkpoint {where}: Megatron-LM's {name} = {value!r} is a model megapipe "
+                "cannot build yet"
+            )
+
+
 def real_vocab_size(ns: argparse.Namespace) -> tuple[int, str | None]:
     """The tokenizer's vocabulary (the rows before the padding), and a note when it could only
     be taken as the padded size. NullTokenizer has --vocab-size ids plus its eod, as in
@@ -256,8 +286,9 @@ def read_run(directory: str, release: bool = False) -> MegatronRun:
         if getattr(ns, name, None) is None:
             raise CheckpointError(f"checkpoint file {path}: args lack {name}")
     _unsupported(ns, directory)
-    vocab, note = real_vocab_size(ns)
     fmt = "torch_dist" if path.endswith(COMMON) else "torch"
+    _unsupported_moe(ns, directory, fmt)
+    vocab, note = real_vocab_size(ns)
     return MegatronRun(
         directory=directory,
         format=fmt,

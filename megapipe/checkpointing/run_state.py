@@ -1,7 +1,9 @@
 """What a training checkpoint holds, gathered from and restored into a live run.
 
-- model: every parameter as pieces of layout-free logical tensors (`layout_free`), written by
-  data-parallel rank 0 of each model-parallel rank;
+- model: every parameter (and the routers' expert biases) as pieces of layout-free logical
+  tensors (`layout_free`), written by data-parallel rank 0 of each model-parallel rank; with
+  expert parallelism the experts by every EP rank of the first expert-data-parallel replica
+  (each its block of experts), the optimizer's expert state alike;
 - optimizer: Adam's moments (SGD's momentum) and, in bf16/fp16, the fp32 masters, per
   parameter in the same global shapes; with the distributed optimizer each data-parallel rank
   writes the part it owns, otherwise data-parallel rank 0 writes it all;
@@ -26,10 +28,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from megapipe.checkpointing.extra_state import extra_state_entries, layer_mlps
 from megapipe.checkpointing.layout_free import (
     OPTIMIZER_STATES,
-    extra_state_entries,
-    logical_name,
+    checkpointed_tensors,
     model_shards,
     optimizer_shards,
 )
@@ -113,6 +115,22 @@ class LiveRun:
 
 def _named_params(chunks: Sequence[torch.nn.Module]) -> list[tuple[str, torch.nn.Parameter]]:
     return [item for chunk in chunks for item in chunk.named_parameters()]
+
+
+def _checkpointed(chunks: Sequence[torch.nn.Module]) -> list[tuple[str, torch.Tensor]]:
+    """Parameters and checkpointed buffers (routers' expert biases)."""
+    return [item for chunk in chunks for item in checkpointed_tensors(chunk)]
+
+
+def _expert_parallel(item: tuple) -> bool:
+    meta = getattr(item[1], "meta", None)
+    return meta is not None and meta.expert_parallel
+
+
+def _writes_experts(state: ParallelState) -> bool:
+    """Expert parameters (split over EP) are written by every EP rank of the first expert-
+    data-parallel replica (at EP 1: the model's writer, DP x CP rank 0)."""
+    return state.ep.size > 1 and state.expert_dp.rank == 0 and _first_replica(state)
 
 
 def _names(chunks: Sequence[torch.nn.Module]) -> dict[int, str]:
@@ -249,32 +267,49 @@ def state_to_save(
     num_layers: int,
     *,
     model_owner: ShardedOptimizer | None = None,
+    stacked: bool = True,
 ) -> ShardedState:
     """The model (and, unless `optimizer` is None, the optimizer) pieces this rank writes.
     `model_owner`: the run's optimizer even when its state is not saved, which says who holds
-    the weights (FSDP2: every rank its rows) and their dtype."""
+    the weights (FSDP2: every rank its rows) and their dtype. `stacked`: `stacks_layers`."""
     model_owner = model_owner or optimizer
     shards: ShardedState = {}
-    tp_rank, tp_size = state.tp.rank, state.tp.size
-    if _writes_model(model_owner, state):
+    places = _places(state, stacked)
+    named = _checkpointed(chunks)
+    if not _writes_model(model_owner, state):
+        named = [item for item in named if _expert_parallel(item)] if _writes_experts(state) else []
+    if state.dp_cp.rank != 0:  # buffers are whole on every rank, FSDP2's too: written once
+        named = [item for item in named if isinstance(item[1], torch.nn.Parameter)]
+    if named:
         dtype = model_owner.config.params_dtype if model_owner is not None else None
-        named = _named_params(chunks)
-        shards.update(model_shards(named, tp_rank, tp_size, num_layers, dtype=dtype))
-    if optimizer is not None and _writes_optimizer(optimizer, state):
-        _add_optimizer(shards, chunks, optimizer, state, num_layers, loading=False)
+        shards.update(model_shards(named, state.tp.rank, state.tp.size, num_layers, dtype=dtype,
+                                   **places))  # fmt: skip
+    if optimizer is not None:
+        if _writes_optimizer(optimizer, state):
+            _add_optimizer(shards, chunks, optimizer, state, num_layers, loading=False, **places)
+        elif _writes_experts(state) and not optimizer.sharded:
+            _add_optimizer(shards, chunks, optimizer, state, num_layers, loading=False,
+                           experts_only=True, **places)  # fmt: skip
     return shards
 
 
+def _places(state: ParallelState, stacked: bool) -> dict:
+    return {"ep_rank": state.ep.rank, "ep_size": state.ep.size, "stacked": stacked}
+
+
 def extra_state_to_save(
-    chunks: Sequence[torch.nn.Module], state: ParallelState, num_layers: int
+    chunks: Sequence[torch.nn.Module],
+    state: ParallelState,
+    num_layers: int,
+    *,
+    stacked: bool = True,
 ) -> dict[str, bytes]:
-    """Megatron-Core's `_extra_state` entries of this rank's layers, written once over the job:
-    by TP rank 0 of data-parallel (x context-parallel) rank 0 (of the first replica, under
-    hybrid sharding)."""
+    """Megatron-Core's `_extra_state` entries of this rank's layers (every expert's included),
+    written once over the job: by TP rank 0 of data-parallel (x context-parallel) rank 0 (of
+    the first replica, under hybrid sharding)."""
     if state.tp.rank != 0 or state.dp_cp.rank != 0 or not _first_replica(state):
         return {}
-    layers = (logical_name(name)[1] for name, _ in _named_params(chunks))
-    return extra_state_entries((i for i in layers if i is not None), num_layers)
+    return extra_state_entries(layer_mlps(_named_params(chunks)), num_layers, stacked=stacked)
 
 
 def _add_optimizer(
@@ -285,17 +320,27 @@ def _add_optimizer(
     num_layers: int,
     *,
     loading: bool,
+    experts_only: bool = False,
+    ep_rank: int = 0,
+    ep_size: int = 1,
+    stacked: bool = True,
 ) -> None:
-    pieces = optimizer_shards(
-        _optimizer_pieces(optimizer, _names(chunks)),
+    pieces = _optimizer_pieces(optimizer, _names(chunks))
+    if experts_only:
+        pieces = [piece for piece in pieces if piece[1].meta.expert_parallel]
+    found = optimizer_shards(
+        pieces,
         state.tp.rank,
         state.tp.size,
         num_layers,
         include_masters=optimizer.saves_masters,
         loading=loading,
+        ep_rank=ep_rank,
+        ep_size=ep_size,
+        stacked=stacked,
     )
-    for key, found in pieces.items():
-        shards.setdefault(key, []).extend(found)
+    for key, more in found.items():
+        shards.setdefault(key, []).extend(more)
 
 
 def state_to_load(
@@ -303,14 +348,18 @@ def state_to_load(
     optimizer: ShardedOptimizer | None,
     state: ParallelState,
     num_layers: int,
+    *,
+    stacked: bool = True,
 ) -> ShardedState:
-    """Every piece this rank must fill: its parameters (replicas and mirrors included) and,
-    unless `optimizer` is None, the optimizer state of the part of them it optimizes."""
-    tp_rank, tp_size = state.tp.rank, state.tp.size
-    shards = model_shards(_named_params(chunks), tp_rank, tp_size, num_layers, loading=True)
+    """Every piece this rank must fill: its parameters (replicas and mirrors included, and the
+    routers' expert biases) and, unless `optimizer` is None, the optimizer state of the part
+    of them it optimizes."""
+    places = _places(state, stacked)
+    named = _checkpointed(chunks)
+    shards = model_shards(named, state.tp.rank, state.tp.size, num_layers, loading=True, **places)
     if optimizer is not None:
         ensure_optimizer_state(optimizer)
-        _add_optimizer(shards, chunks, optimizer, state, num_layers, loading=True)
+        _add_optimizer(shards, chunks, optimizer, state, num_layers, loading=True, **places)
     return shards
 
 

@@ -24,12 +24,14 @@ import torch
 from megapipe.checkpointing import atomic_dir
 from megapipe.checkpointing import legacy_torch as legacy
 from megapipe.checkpointing.errors import CheckpointError
+from megapipe.checkpointing.extra_state import extra_state_entries, layer_mlps
 from megapipe.checkpointing.layout_free import (
-    extra_state_entries,
+    checkpointed_tensors,
     fit_vocabulary,
     is_vocabulary,
     model_shards,
     saved_vocab_size,
+    stacks_layers,
 )
 from megapipe.checkpointing.megatron_args import converted_namespace, saved_arguments
 from megapipe.checkpointing.run_state import CHECKPOINT_VERSION, Progress
@@ -46,7 +48,7 @@ from megapipe.checkpointing.tracker import (
     read_tracker,
     write_tracker,
 )
-from megapipe.config import ModelConfig
+from megapipe.config import ModelConfig, MoEConfig
 from megapipe.errors import ConfigError
 from megapipe.model.gpt import GPTModel
 from megapipe.parallel.random import RNGTracker
@@ -63,7 +65,7 @@ ADDED_LATER = {
     "rotary_percent": 1.0,
     "squared_relu": False,
     "apply_residual_connection_post_layernorm": False,
-    "moe": None,  # MoE runs cannot save yet (megapipe/arguments/moe_flags.py refuses --save)
+    "moe": None,  # runs before MoE (and dense runs since) have no num_experts
 }
 
 
@@ -94,10 +96,24 @@ def model_config_from_args(args: dict[str, str], vocab_size: int) -> ModelConfig
     if missing:
         raise CheckpointError(f"saved args lack {missing[:4]}: not a megapipe checkpoint?")
     kwargs = {n: values[n] for n in names}
+    kwargs["moe"] = _moe_config(values)
     groups = None
     if values.get("group_query_attention"):
         groups = values.get("num_query_groups") or 1
     return ModelConfig(vocab_size=vocab_size, num_query_groups=groups, **kwargs)
+
+
+def _moe_config(values: dict[str, object]) -> MoEConfig | None:
+    """The MoEConfig of saved arguments (its fields are the flags' names), None without
+    --num-experts."""
+    if values.get("num_experts") is None:
+        return None
+    kwargs = {f.name: values[f.name] for f in fields(MoEConfig) if f.name in values}
+    freq = kwargs.get("moe_layer_freq", 1)
+    if isinstance(freq, str):  # the flag's text: "2" or "[1,0,1,0]"
+        freq = _value(freq)
+    kwargs["moe_layer_freq"] = tuple(freq) if isinstance(freq, list) else freq
+    return MoEConfig(**kwargs)
 
 
 def resolve(load_dir: str, flag: str = "--load-dir") -> tuple[str, int]:
@@ -187,8 +203,9 @@ def build_rank(
     return [GPTModel(config, state, rng, seed=1234, layers=layers) for layers in layer_ranges]
 
 
-def _named(chunks: list[GPTModel]) -> list[tuple[str, torch.nn.Parameter]]:
-    return [item for chunk in chunks for item in chunk.named_parameters()]
+def _named(chunks: list[GPTModel]) -> list[tuple[str, torch.Tensor]]:
+    """What checkpoints hold of the chunks: parameters and routers' expert biases."""
+    return [item for chunk in chunks for item in checkpointed_tensors(chunk)]
 
 
 def _legacy_files(directory: str) -> Iterator[tuple[int, int, str, dict]]:
@@ -233,7 +250,9 @@ def read_legacy(directory: str, say: Say = print) -> Source:
             if key not in data:
                 raise CheckpointError(f"checkpoint file {sub}/{legacy.MODEL_FILE}: no {key!r}")
             legacy.load_chunk_state(chunk, data[key], f"{sub}/{legacy.MODEL_FILE} [{key}]")
-        pieces = model_shards(_named(chunks), t, source_tp, config.num_layers)
+        pieces = model_shards(
+            _named(chunks), t, source_tp, config.num_layers, stacked=stacks_layers(config)
+        )
         assembled.add(pieces)
         say(f" read {os.path.basename(sub)}: {len(pieces)} tensors")
     tensors = assembled.complete(directory)
@@ -290,11 +309,17 @@ def read_source(directory: str, say: Say = print) -> Source:
 
 def check_target(config: ModelConfig, tp: int, pp: int) -> list[range]:
     """The target's stage ranges (one chunk per rank); ConfigError when it cannot split."""
-    for what, value in (
+    sizes = [
         ("--num-attention-heads", config.num_attention_heads),
         ("--num-query-groups", config.num_query_groups),
         ("--ffn-hidden-size", config.ffn_hidden_size),
-    ):
+    ]
+    if config.moe is not None:
+        sizes.append(("--moe-ffn-hidden-size", config.moe_ffn_hidden_size))
+        shared = config.moe.moe_shared_expert_intermediate_size
+        if shared is not None:
+            sizes.append(("--moe-shared-expert-intermediate-size", shared))
+    for what, value in sizes:
         if value % tp:
             raise ConfigError(
                 f"--target-tensor-parallel-size {tp} does not divide the model's {what} ({value})"
@@ -320,7 +345,10 @@ def target_args(args: dict[str, str], tp: int, pp: int, fmt: str) -> dict[str, s
 
 def fill_chunks(chunks: list[GPTModel], source: Source, tp_rank: int, tp: int) -> None:
     """Copy the source's full tensors into model chunks in place (each its own pieces)."""
-    wanted = model_shards(_named(chunks), tp_rank, tp, source.config.num_layers, loading=True)
+    config = source.config
+    wanted = model_shards(
+        _named(chunks), tp_rank, tp, config.num_layers, loading=True, stacked=stacks_layers(config)
+    )
     with torch.no_grad():
         for name, shards in wanted.items():
             full = source.tensors.get(name)
@@ -375,14 +403,16 @@ def write_source(
     )
     if fmt == "torch_dist":
         shards: ShardedState = {}
+        objects: dict[str, bytes] = {}
+        layers, stacked = source.config.num_layers, stacks_layers(source.config)
         for p in range(pp):
             for t in range(tp):
                 chunks = build_rank(source.config, t, tp, p, [ranges[p]], pp)
                 _fill(chunks, source, t, tp)
-                for name, pieces in model_shards(
-                    _named(chunks), t, tp, source.config.num_layers
-                ).items():
+                named = _named(chunks)
+                for name, pieces in model_shards(named, t, tp, layers, stacked=stacked).items():
                     shards.setdefault(name, []).extend(pieces)
+                objects.update(extra_state_entries(layer_mlps(named), layers, stacked=stacked))
                 say(f" built TP rank {t} PP rank {p}")
         common = {
             "checkpoint_version": CHECKPOINT_VERSION,
@@ -396,8 +426,6 @@ def write_source(
             "megapipe_args": args,
             "true_vocab_size": source.config.vocab_size,
         }
-        layers = source.config.num_layers
-        objects = extra_state_entries(range(layers), layers)
         save_sharded(target, shards, common, group=None, coordinator=True, objects=objects)
     else:
         _write_legacy(source, target, tp, pp, ranges, args, namespace, layout, say)

@@ -9,7 +9,9 @@ vocabulary padding removed) and writes the tensors under transformers' names:
   QKV; `activation_function` "gelu" for megapipe's exact erf GeLU, GPT-2's own "gelu_new" with
   --openai-gelu);
 - rotary, RMSNorm, SwiGLU (GQA, biases or not, tied or untied) -> `LlamaForCausalLM`
-  (separate q/k/v/o and gate/up/down projections; rotate-half rotary, as megapipe's).
+  (separate q/k/v/o and gate/up/down projections; rotate-half rotary, as megapipe's);
+- the same with --num-experts -> `MixtralForCausalLM` (`hf_mixtral`: the router and experts
+  under `block_sparse_moe`).
 
 A flag combination with no transformers equivalent is refused with a ConfigError naming it.
 The directory holds `config.json`, the weights (`model.safetensors`, or shards with an index
@@ -34,6 +36,7 @@ from megapipe.checkpointing.hf_tokenizer import eod_id, write_tokenizer_files
 from megapipe.checkpointing.tracker import RELEASE
 from megapipe.config import ModelConfig
 from megapipe.conversion.convert import Say, Source, resolve
+from megapipe.conversion.hf_mixtral import check_mixtral, export_moe_tensors, hf_moe_fields
 from megapipe.conversion.megatron_lm_source import read_any
 from megapipe.errors import ConfigError
 
@@ -59,7 +62,8 @@ def _refuse(what: str, why: str) -> None:
 
 
 def architecture(config: ModelConfig) -> str:
-    """ "gpt2" or "llama" for this model; ConfigError naming the flags that fit neither."""
+    """ "gpt2", "llama" or "mixtral" for this model; ConfigError naming the flags that fit
+    none."""
     if config.qk_layernorm:
         _refuse("--qk-layernorm", "GPT-2 and Llama have no query/key norms")
     if config.squared_relu:
@@ -86,6 +90,8 @@ def architecture(config: ModelConfig) -> str:
         if config.head_dim * config.num_attention_heads != config.hidden_size:
             what = f"--kv-channels {config.kv_channels} with learned positions"
             _refuse(what, arch + " has heads of hidden size / heads")
+        if config.moe is not None:
+            _refuse("--num-experts with learned positions", arch + " has no experts")
         return "gpt2"
     if config.position_embedding_type == "rope":
         arch = "LlamaForCausalLM (the architecture of rotary positions)"
@@ -97,6 +103,9 @@ def architecture(config: ModelConfig) -> str:
         if config.rotary_percent != 1.0:
             what = f"--rotary-percent {config.rotary_percent}"
             _refuse(what, arch + " rotates whole heads")
+        if config.moe is not None:
+            check_mixtral(config)
+            return "mixtral"
         return "llama"
     _refuse(
         f"--position-embedding-type {config.position_embedding_type}",
@@ -148,7 +157,11 @@ def _gpt2_tensors(t: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, 
 
 
 def _llama_tensors(t: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Llama's tensors, or Mixtral's (the MLPs replaced by `block_sparse_moe`)."""
     out = {"model.embed_tokens.weight": t[WORD], "model.norm.weight": t[FINAL]}
+    moe = config.moe is not None
+    if moe:
+        out.update(export_moe_tensors(t, config))
     if config.untie_embeddings_and_output_weights:
         out["lm_head.weight"] = t[OUTPUT]
     bias = config.add_bias_linear
@@ -166,6 +179,8 @@ def _llama_tensors(t: dict[str, torch.Tensor], config: ModelConfig) -> dict[str,
             out[f"{p}self_attn.q_proj.{kind}"], out[f"{p}self_attn.k_proj.{kind}"] = q, k
             out[f"{p}self_attn.v_proj.{kind}"] = v
             out[f"{p}self_attn.o_proj.{kind}"] = t[proj][i]
+            if moe:
+                continue
             gate, up = t[fc1][i].chunk(2)
             out[f"{p}mlp.gate_proj.{kind}"], out[f"{p}mlp.up_proj.{kind}"] = gate, up
             out[f"{p}mlp.down_proj.{kind}"] = t[fc2][i]
@@ -200,7 +215,7 @@ def hf_config(config: ModelConfig, dtype: torch.dtype) -> dict:
             "eos_token_id": None,
             "torch_dtype": _dtype_name(dtype),
         }
-    return {
+    llama = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "vocab_size": config.vocab_size,
@@ -221,6 +236,10 @@ def hf_config(config: ModelConfig, dtype: torch.dtype) -> dict:
         "tie_word_embeddings": not config.untie_embeddings_and_output_weights,
         "torch_dtype": _dtype_name(dtype),
     }
+    if arch == "mixtral":  # Llama's attention; no attention_bias / mlp_bias options
+        del llama["attention_bias"], llama["mlp_bias"]
+        llama.update(hf_moe_fields(config))
+    return llama
 
 
 def _check_replaceable(save_dir: str) -> None:

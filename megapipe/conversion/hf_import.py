@@ -1,4 +1,5 @@
-"""Hugging Face import: a transformers `GPT2LMHeadModel` or `LlamaForCausalLM` directory
+"""Hugging Face import: a transformers `GPT2LMHeadModel`, `LlamaForCausalLM` or
+`MixtralForCausalLM` (`hf_mixtral`) directory
 (`config.json` + one safetensors file or a sharded index) -> a megapipe checkpoint at any layout.
 
 `config.json` gives the ModelConfig (validated as flags are); a config with no megapipe
@@ -46,10 +47,19 @@ from megapipe.conversion.hf_export import (
     WORD,
     join_qkv,
 )
+from megapipe.conversion.hf_mixtral import import_moe_tensors, moe_from_hf, moe_shapes
 from megapipe.errors import ConfigError
 
-ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
-EMBEDDING = {"gpt2": "transformer.wte.weight", "llama": "model.embed_tokens.weight"}
+ARCHITECTURES = {
+    "gpt2": "GPT2LMHeadModel",
+    "llama": "LlamaForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+}
+EMBEDDING = {
+    "gpt2": "transformer.wte.weight",
+    "llama": "model.embed_tokens.weight",
+    "mixtral": "model.embed_tokens.weight",
+}
 # transformers' non-persistent buffers that older versions saved: recomputed, never weights
 BUFFERS = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
 
@@ -87,9 +97,9 @@ def _model_config(hf: dict, directory: str) -> ModelConfig:
             attention_dropout=0.0,
             hidden_dropout=0.0,
         )
-    if kind == "llama":
+    if kind in ("llama", "mixtral"):
         if hf.get("hidden_act", "silu") != "silu":
-            raise ConfigError(f"{directory}: Llama hidden_act {hf['hidden_act']!r}: not SwiGLU")
+            raise ConfigError(f"{directory}: {kind} hidden_act {hf['hidden_act']!r}: not SwiGLU")
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
         if rope.get("rope_type", rope.get("type", "default")) != "default":
             raise ConfigError(f"{directory}: rope scaling {rope!r}: megapipe has plain rotary")
@@ -126,9 +136,11 @@ def _model_config(hf: dict, directory: str) -> ModelConfig:
             add_bias_linear=bool(hf.get("attention_bias", False)),
             attention_dropout=0.0,
             hidden_dropout=0.0,
+            moe=moe_from_hf(hf, directory) if kind == "mixtral" else None,
         )
     raise ConfigError(
-        f"{directory}: model_type {kind!r} ({hf.get('architectures')}): only gpt2 and llama import"
+        f"{directory}: model_type {kind!r} ({hf.get('architectures')}): only gpt2, llama and "
+        "mixtral import"
     )
 
 
@@ -157,7 +169,10 @@ def expected_shapes(config: ModelConfig, kind: str) -> dict[str, tuple[int, ...]
         layer = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)}
         linears = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h)}
         linears |= {"self_attn.v_proj": (kv, h), "self_attn.o_proj": (h, q)}
-        linears |= {"mlp.gate_proj": (f, h), "mlp.up_proj": (f, h), "mlp.down_proj": (h, f)}
+        if config.moe is None:
+            linears |= {"mlp.gate_proj": (f, h), "mlp.up_proj": (f, h), "mlp.down_proj": (h, f)}
+        else:
+            layer |= moe_shapes(config)
         bias = 0 if config.add_bias_linear else None  # nn.Linear: [out, in]
     for name, shape in linears.items():
         layer[name + ".weight"] = shape
@@ -259,9 +274,12 @@ def _megapipe_tensors(
             t[OUTPUT] = get("lm_head.weight")
         t[LN1] = _stack(get, per("input_layernorm.weight"))
         t[LN2] = _stack(get, per("post_attention_layernorm.weight"))
-        t[QKV], t[FC1] = qkv("weight"), fc1("weight")
+        t[QKV] = qkv("weight")
         t[PROJ] = _stack(get, per("self_attn.o_proj.weight"))
-        t[FC2] = _stack(get, per("mlp.down_proj.weight"))
+        if config.moe is not None:  # Mixtral: no dense MLP, no biases
+            t.update(import_moe_tensors(hf, config))
+            return {k: v.contiguous() for k, v in t.items()}
+        t[FC1], t[FC2] = fc1("weight"), _stack(get, per("mlp.down_proj.weight"))
         if config.add_bias_linear:
             t[QKV_B], t[FC1_B] = qkv("bias"), fc1("bias")
             t[PROJ_B] = _stack(get, per("self_attn.o_proj.bias"))
@@ -271,8 +289,12 @@ def _megapipe_tensors(
 
 def config_args(config: ModelConfig) -> dict[str, str]:
     """Saved-argument entries (repr strings, as a run saves them) for a ModelConfig."""
-    args = {f.name: repr(getattr(config, f.name)) for f in fields(ModelConfig)}
+    args = {f.name: repr(getattr(config, f.name)) for f in fields(ModelConfig) if f.name != "moe"}
     args["group_query_attention"] = repr(config.num_query_groups != config.num_attention_heads)
+    moe = config.moe
+    args["num_experts"] = repr(None if moe is None else moe.num_experts)
+    if moe is not None:  # the MoE flags (MoEConfig's fields are their names)
+        args.update({f.name: repr(getattr(moe, f.name)) for f in fields(moe)})
     return args
 
 
@@ -304,7 +326,7 @@ def read_config(directory: str, validate: Validate) -> tuple[dict, ModelConfig]:
 
 
 def read_hf(directory: str, validate: Validate) -> Source:
-    """A transformers GPT-2 or Llama directory as a megapipe `Source`."""
+    """A transformers GPT-2, Llama or Mixtral directory as a megapipe `Source`."""
     hf, config = read_config(directory, validate)
     weights = read_weights(directory)
     check_tensors(weights, config, hf["model_type"], directory)

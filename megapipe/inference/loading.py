@@ -18,7 +18,13 @@ import torch
 
 from megapipe.checkpointing import legacy_torch, megatron_lm
 from megapipe.checkpointing.errors import CheckpointError
-from megapipe.checkpointing.layout_free import fit_vocabulary, model_shards, saved_vocab_size
+from megapipe.checkpointing.layout_free import (
+    checkpointed_tensors,
+    fit_vocabulary,
+    model_shards,
+    saved_vocab_size,
+    stacks_layers,
+)
 from megapipe.checkpointing.megatron_args import saved_arguments
 from megapipe.checkpointing.torch_dist import load_common, load_sharded, read_metadata
 from megapipe.checkpointing.tracker import RELEASE_NAME, iteration_dir, saved_listing
@@ -114,8 +120,15 @@ def load_inference_model(
     if source is not None:
         _fill([model], source, state.tp_rank, state.tp.size)
     else:
-        named = list(model.named_parameters())
-        wanted = model_shards(named, state.tp_rank, state.tp.size, config.num_layers, loading=True)
+        named = checkpointed_tensors(model)  # the routers' expert biases too
+        wanted = model_shards(
+            named,
+            state.tp_rank,
+            state.tp.size,
+            config.num_layers,
+            loading=True,
+            stacked=stacks_layers(config),
+        )
         load_sharded(directory, wanted, group=state.world.pg, fit=fit_vocabulary)
     dtype = dtype or saved_dtype
     model.to(dtype)

@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["megapipe", "mcore", "legacy", "hf"],
         help="megapipe (or Megatron's names mcore, legacy): --load-dir is a checkpoint that "
         "megapipe or Megatron-LM wrote, torch_dist or legacy torch, any TP/PP (which of them is "
-        "read from the files). hf: --load-dir is a transformers GPT-2 or Llama directory "
+        "read from the files). hf: --load-dir is a transformers GPT-2, Llama or Mixtral directory "
         "(config.json + safetensors), written as a megapipe checkpoint at the target layout "
         "(iteration 0).",
     )
@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["megapipe", "hf"],
         help="hf: write a transformers directory (config.json, model.safetensors or shards "
         "with an index, the run's tokenizer files) that AutoModelForCausalLM.from_pretrained "
-        "loads (GPT2LMHeadModel or LlamaForCausalLM).",
+        "loads (GPT2LMHeadModel, LlamaForCausalLM, or MixtralForCausalLM for --num-experts).",
     )
     parser.add_argument(
         "--load-dir", required=True, help="Checkpoint directory to read (its tracker's iteration)."
