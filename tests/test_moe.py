@@ -168,6 +168,17 @@ def test_expert_bias_moves_toward_balance_after_a_step() -> None:
     assert layer.router.tokens_per_expert.sum() == 0
 
 
+def test_expert_bias_stays_fp32_in_a_bf16_model() -> None:
+    """bf16 has 8 bits of mantissa: from 1.0 a step of 1e-3 would not move the bias at all."""
+    config = _config(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
+    layer = _layer(config).to(torch.bfloat16)
+    assert layer.router.weight.dtype == torch.bfloat16
+    assert layer.router.expert_bias.dtype == torch.float32
+    layer.router.expert_bias.fill_(1.0)
+    layer.router.update_expert_bias(torch.tensor([0.0, 1.0, 1.0, 2.0]))
+    assert layer.router.expert_bias.tolist() == pytest.approx([1.001, 1.0, 1.0, 0.999])
+
+
 # --- the auxiliary losses --------------------------------------------------------------------
 
 

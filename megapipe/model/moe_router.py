@@ -210,6 +210,16 @@ class Router(torch.nn.Module):
             self.tokens_per_expert += routing_map.sum(dim=0).to(self.tokens_per_expert.dtype)
         return probs, routing_map
 
+    def _apply(self, fn, recurse: bool = True):
+        """Moves follow the module; the expert bias and its counts stay fp32 under a bf16/fp16
+        model, as Megatron-Core keeps them (steps of 1e-3 vanish in bf16 near 1)."""
+        super()._apply(fn, recurse)
+        for name in ("expert_bias", "tokens_per_expert"):
+            value = getattr(self, name)
+            if value is not None and value.dtype != torch.float32:
+                setattr(self, name, value.float())
+        return self
+
     @torch.no_grad()
     def update_expert_bias(self, counts: torch.Tensor) -> None:
         """DeepSeek-V3's step: bias += rate x sign(mean count - count); counts restart."""
