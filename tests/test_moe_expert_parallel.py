@@ -10,7 +10,6 @@ one-rank losses and grad norms (fp32, 1e-5), and a capacity factor drops the sam
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
 import pytest
@@ -25,7 +24,9 @@ from megapipe.parallel.state import (
     context_parallel_layout,
     expert_parallel_layout,
 )
-from megapipe.testing import run_distributed, train_with_flags
+from megapipe.testing import run_distributed
+from tests.test_moe import ARGV as MOE_ARGV
+from tests.test_moe import _train
 
 H, E, S, B = 16, 8, 6, 2
 
@@ -100,18 +101,8 @@ def test_layer_at_ep2_equals_one_rank_with_each_dispatcher(dispatcher: str, moe:
 
 # --- training ----------------------------------------------------------------------------------
 
-ARGV = [
-    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length",
-    "16", "--mock-data", "--vocab-size", "100", "--micro-batch-size", "2",
-    "--global-batch-size", "8", "--train-iters", "3", "--lr", "3e-3", "--eval-iters", "0",
-    "--log-interval", "1", "--num-experts", "4", "--moe-router-topk", "2",
-    "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3", "--swiglu",
-]  # fmt: skip
-
-
-def _train(rank: int, world: int, argv: list[str]) -> tuple[list, str]:
-    results, out = train_with_flags(rank, world, argv)
-    return [dataclasses.asdict(r) for r in results], out
+# test_moe's training model and runner, for 3 steps (a later flag wins)
+ARGV = [*MOE_ARGV, "--train-iters", "3"]
 
 
 def _ep(size: int, dispatcher: str) -> list[str]:
