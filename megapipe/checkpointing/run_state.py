@@ -38,6 +38,7 @@ from megapipe.checkpointing.layout_free import (
 from megapipe.checkpointing.scheduler_rule import saved_settings
 from megapipe.checkpointing.shards import ShardedState, TensorShard
 from megapipe.distributed.optimizer import ShardedOptimizer
+from megapipe.layers.param_meta import is_expert
 from megapipe.parallel.random import RNGTracker
 from megapipe.parallel.state import ParallelState
 
@@ -120,11 +121,6 @@ def _named_params(chunks: Sequence[torch.nn.Module]) -> list[tuple[str, torch.nn
 def _checkpointed(chunks: Sequence[torch.nn.Module]) -> list[tuple[str, torch.Tensor]]:
     """Parameters and checkpointed buffers (routers' expert biases)."""
     return [item for chunk in chunks for item in checkpointed_tensors(chunk)]
-
-
-def _expert_parallel(item: tuple) -> bool:
-    meta = getattr(item[1], "meta", None)
-    return meta is not None and meta.expert_parallel
 
 
 def _writes_experts(state: ParallelState) -> bool:
@@ -277,7 +273,7 @@ def state_to_save(
     places = _places(state, stacked)
     named = _checkpointed(chunks)
     if not _writes_model(model_owner, state):
-        named = [item for item in named if _expert_parallel(item)] if _writes_experts(state) else []
+        named = [item for item in named if is_expert(item[1])] if _writes_experts(state) else []
     if state.dp_cp.rank != 0:  # buffers are whole on every rank, FSDP2's too: written once
         named = [item for item in named if isinstance(item[1], torch.nn.Parameter)]
     if named:
@@ -327,7 +323,7 @@ def _add_optimizer(
 ) -> None:
     pieces = _optimizer_pieces(optimizer, _names(chunks))
     if experts_only:
-        pieces = [piece for piece in pieces if piece[1].meta.expert_parallel]
+        pieces = [piece for piece in pieces if is_expert(piece[1])]
     found = optimizer_shards(
         pieces,
         state.tp.rank,

@@ -22,7 +22,8 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.tensor import DTensor
 
-from megapipe.distributed.grad_norm import gradient, is_expert
+from megapipe.distributed.grad_norm import gradient
+from megapipe.layers.param_meta import is_expert
 from megapipe.parallel.state import Group, ParallelState
 
 

@@ -48,7 +48,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from megapipe.config import OptimizerConfig
-from megapipe.distributed.grad_norm import is_expert
+from megapipe.layers.param_meta import is_expert
 from megapipe.parallel.state import ParallelState
 
 

@@ -22,7 +22,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from megapipe.config import OptimizerConfig
 from megapipe.distributed.fsdp import local_part, reduce_after_step, reshard
-from megapipe.distributed.grad_norm import counted_in_norm, is_expert
+from megapipe.distributed.grad_norm import counted_in_norm
 from megapipe.distributed.optimizer import (
     SPIKE_WINDOW,
     Piece,
@@ -30,6 +30,7 @@ from megapipe.distributed.optimizer import (
     inner_optimizer,
     param_groups,
 )
+from megapipe.layers.param_meta import is_expert
 from megapipe.parallel.state import ParallelState
 
 

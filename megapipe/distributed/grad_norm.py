@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from megapipe.layers.param_meta import is_expert
 from megapipe.parallel.state import ParallelState
 
 DOT_SLICE = 1 << 16  # entries per torch.dot on the CPU
@@ -26,12 +27,6 @@ def counted_in_norm(param: torch.nn.Parameter, tp_rank: int) -> bool:
     if meta.copy_of is not None:  # the last stage's tied-embedding copy: counted at the source
         return False
     return meta.is_tensor_parallel or tp_rank == 0
-
-
-def is_expert(param: torch.nn.Parameter) -> bool:
-    """An MoE expert parameter (split over expert parallelism, reduced over expert DP)."""
-    meta = getattr(param, "meta", None)
-    return meta is not None and meta.expert_parallel
 
 
 def gradient(param: torch.nn.Parameter) -> torch.Tensor | None:

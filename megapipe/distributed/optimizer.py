@@ -27,9 +27,10 @@ import torch.distributed as dist
 
 from megapipe.config import OptimizerConfig
 from megapipe.distributed.grad_buffer import GradBuffer
-from megapipe.distributed.grad_norm import counted_in_norm, is_expert, sum_of_squares
+from megapipe.distributed.grad_norm import counted_in_norm, sum_of_squares
 from megapipe.distributed.loss_scaler import found_inf_or_nan
 from megapipe.errors import MegapipeError
+from megapipe.layers.param_meta import is_expert
 from megapipe.parallel.state import ParallelState
 
 SPIKE_WINDOW = 100  # iterations in --check-for-spiky-loss's running mean
@@ -217,8 +218,9 @@ class ShardedOptimizer:
         # (`_whole_model_sum`).
         self._expert_parallel = state.ep.size > 1
         self._is_expert = [self._expert_parallel and is_expert(p.param) for p in self.pieces]
-        experts = [p for p in counted if self._expert_parallel and is_expert(p.param)]
-        counted = [p for p in counted if not (self._expert_parallel and is_expert(p.param))]
+        expert_ids = {id(p) for p, e in zip(self.pieces, self._is_expert) if e}
+        experts = [p for p in counted if id(p) in expert_ids]
+        counted = [p for p in counted if id(p) not in expert_ids]
         self._norm_runs = [run.grads() for run in merged_runs(counted, buffers)]
         self._expert_norm_runs = [run.grads() for run in merged_runs(experts, buffers)]
         # TP replicas counted on another rank: their sum enters the norm times 0, so a NaN/Inf

@@ -51,6 +51,12 @@ class ParamMeta:
         return self.tp_dim is not None
 
 
+def is_expert(param: torch.Tensor) -> bool:
+    """An MoE expert parameter (split over expert parallelism, reduced over expert DP)."""
+    meta = getattr(param, "meta", None)
+    return meta is not None and meta.expert_parallel
+
+
 def make_param(meta: ParamMeta, tp_size: int, ep_size: int = 1) -> torch.nn.Parameter:
     """An uninitialised parameter of this rank's shard shape, carrying `meta`."""
     shape = list(meta.full_shape)

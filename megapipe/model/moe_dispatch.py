@@ -89,8 +89,8 @@ def dispatch_alltoall(
     counts = torch.tensor(plan.counts, dtype=torch.int64, device=tokens.device)
     # received[s, e]: rows source rank s sends to this rank's local expert e
     received = exchange_rows(counts, [local] * ep.size, [local] * ep.size, ep).view(ep.size, -1)
-    received_counts = received.tolist()
-    send = counts.view(ep.size, local).sum(dim=1).tolist()
+    received_counts = received.tolist()  # the host's one read: it sizes the exchange
+    send = [sum(plan.counts[j * local : (j + 1) * local]) for j in range(ep.size)]
     receive = [sum(row) for row in received_counts]
     rows = all_to_all_rows(plan.permute(tokens), send, receive, ep)
     # source-major -> expert-major: a stable sort of each row's (local expert, source) key
@@ -98,7 +98,7 @@ def dispatch_alltoall(
     sources = torch.arange(ep.size, device=tokens.device).repeat_interleave(local)
     chunk_keys = torch.arange(local, device=tokens.device).repeat(ep.size) * ep.size + sources
     order = torch.sort(chunk_keys.repeat_interleave(chunk_sizes), stable=True).indices
-    per_expert = received.sum(dim=0).tolist()
+    per_expert = [sum(row[e] for row in received_counts) for e in range(local)]
     out = experts(rows[order], per_expert)
     back = torch.empty_like(order)
     back[order] = torch.arange(order.numel(), device=tokens.device)

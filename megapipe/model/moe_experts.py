@@ -43,9 +43,7 @@ class Experts(torch.nn.Module):
         """num_experts: the layer's (global) count; this rank holds num_experts / EP."""
         super().__init__()
         self.tp = tp
-        ep_size = ep.size if ep is not None else 1
-        if num_experts % ep_size:
-            raise ValueError(f"{num_experts} experts do not split over {ep_size} EP ranks")
+        ep_size = ep.size if ep is not None else 1  # make_param checks that E splits over it
         self.num_experts = num_experts // ep_size  # local experts
         self.swiglu, self.squared_relu = config.swiglu, config.squared_relu
         self.gelu_approximate = "tanh" if config.openai_gelu else "none"

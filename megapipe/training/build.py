@@ -21,10 +21,10 @@ from megapipe.data.sources import BatchSources, build_batch_sources
 from megapipe.distributed.fsdp import describe_sharding, shard_chunks, uses_fsdp
 from megapipe.distributed.fsdp_optimizer import FSDPOptimizer
 from megapipe.distributed.grad_buffer import GradBuffer
-from megapipe.distributed.grad_norm import is_expert
 from megapipe.distributed.loss_scaler import make_loss_scaler
 from megapipe.distributed.optimizer import ShardedOptimizer
 from megapipe.layers.linear import set_tp_comm_overlap
+from megapipe.layers.param_meta import is_expert
 from megapipe.model.attention_backends import check_attention_backend, describe_attention
 from megapipe.model.gpt import GPTModel
 from megapipe.parallel.random import RNGTracker
