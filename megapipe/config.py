@@ -41,6 +41,10 @@ MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
 MOE_LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
 MOE_DROP_POLICIES = ("probs", "position")
 MOE_DISPATCHERS = ("allgather", "alltoall")
+# --emulate-nccl-p2p-order's rules (parallel/emulated_stream.py): what NCCL and CUDA allow at
+# worst, emulated by the bare flag; "streams" alone is a stream per communicator and no more
+NCCL_RULES = ("handshake", "one-queue")
+NCCL_EMULATION_CHOICES = ("streams", *NCCL_RULES)
 
 
 @dataclass(frozen=True)
@@ -139,10 +143,10 @@ class ParallelConfig:
     # Post each receive one compute unit before the unit that needs it (the transfer overlaps
     # that compute); False posts it just before (Megatron's --no-overlap-p2p-communication).
     pipeline_receives_ahead: bool = True
-    # Debugging: run gloo's pipeline (and context-parallel ring) transfers in NCCL's order (one
-    # stream per process group, in posting order), so that a posting order that would hang on
-    # GPUs hangs on the CPU too.
-    emulate_nccl_p2p_order: bool = False
+    # Debugging: run gloo's pipeline (and context-parallel ring) transfers under NCCL's rules
+    # (NCCL_EMULATION_CHOICES; empty: no emulation), so that a posting order that would hang
+    # on GPUs hangs on the CPU too.
+    emulate_nccl_p2p_order: tuple[str, ...] = ()
     pipeline_trace: str | None = None  # Chrome-trace JSON of the measured schedule
     sequence_parallel: bool = False
     # TP linears overlap their backward collectives with the next matmul; False (Megatron's
@@ -401,9 +405,9 @@ class KernelConfig:
     # how context-parallel attention exchanges keys and values (ParallelConfig.cp_comm_type,
     # repeated here for the layers, which receive this config)
     cp_comm_type: str = "p2p"
-    # ParallelConfig.emulate_nccl_p2p_order, repeated for the layers: the CP ring's transfers
-    # in NCCL's order (gloo only, debugging)
-    emulate_nccl_p2p_order: bool = False
+    # ParallelConfig.emulate_nccl_p2p_order, repeated for the layers: the NCCL rules the CP
+    # ring's transfers run under (gloo only, debugging)
+    emulate_nccl_p2p_order: tuple[str, ...] = ()
     transformer_impl: str = "local"  # or transformer_engine
     bias_gelu_fusion: bool = True
     bias_dropout_fusion: bool = True

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from megapipe.arguments import parse_args
 from megapipe.data.context_parallel_split import chunk_positions
-from megapipe.errors import ContextParallelCommError
+from megapipe.errors import ConfigError, ContextParallelCommError
 from megapipe.model import context_parallel_ring as ring
 from megapipe.model.context_parallel import context_parallel_attention
 from megapipe.model.transformer_layer import TransformerLayer
@@ -95,7 +95,7 @@ def test_ring_in_nccl_order_equals_plain_gloo_and_sdpa(cp):
 # --------------------------------------------------------------------------------------------
 
 
-def _unbatched(rank: int, world: int, emulate: bool):
+def _unbatched(rank: int, world: int, emulate):
     ring._Ring.grouped = False  # this forked rank only: the posting before the batches
     group = _world_group(rank, world)
     local, dout, expected = _inputs(world, rank)
@@ -119,10 +119,25 @@ def test_unbatched_ring_times_out_in_nccl_order_at_cp2():
     assert any(f"timed out after {TIMEOUT_S:g} s" in message for _, message, _ in results)
 
 
-@pytest.mark.parametrize(("cp", "emulate"), [(2, False), (4, True)], ids=["cp2-gloo", "cp4-nccl"])
+@pytest.mark.parametrize(
+    ("cp", "emulate"), [(2, False), (4, ("streams",))], ids=["cp2-gloo", "cp4-streams"]
+)
 def test_unbatched_ring_runs_where_its_transport_allows(cp, emulate):
     for status, diff, _ in run_distributed(_unbatched, cp, emulate, timeout=60):
         assert status == "ok" and diff < TOLERANCE, (status, diff)
+
+
+@pytest.mark.parametrize("rule", ["handshake", "one-queue"])
+def test_unbatched_ring_hangs_at_cp4_under_each_rule_nccl_leaves_open(rule):
+    # at CP=4 the send and the receive go to different peers, each over the communicator of
+    # its pair (torch's NCCL backend for a lone p2p): every rank's first call is its send, so
+    # with lazy connections each waits for its next rank, whose first call is with the rank
+    # after (a ring of handshakes), and with one queue each send waits for a receive queued
+    # behind the next rank's own send
+    results = run_distributed(_unbatched, 4, (rule,), timeout=60)
+    assert all(status == "error" for status, _, _ in results), results
+    if rule == "handshake":
+        assert any("connection handshake" in message for _, message, _ in results)
 
 
 # --------------------------------------------------------------------------------------------
@@ -170,13 +185,19 @@ def test_missing_cp_peer_is_named(how, emulate):
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("emulate", [False, True])
-def test_emulate_flag_reaches_the_attention(emulate):
-    flags = {"context_parallel_size": 2, "emulate_nccl_p2p_order": True if emulate else None}
+@pytest.mark.parametrize(
+    ("flag", "rules"),
+    [(None, ()), ([], ("handshake", "one-queue")), (["streams"], ("streams",)),
+     (["one-queue"], ("one-queue",))],
+    ids=["off", "bare", "streams", "one-queue"],
+)  # fmt: skip
+def test_emulate_flag_reaches_the_attention(flag, rules):
+    extra = [] if flag is None else ["--emulate-nccl-p2p-order", *flag]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        configs = parse_args(argv(**flags), 2)
+        configs = parse_args(argv(context_parallel_size=2) + extra, 2)
     assert configs.parallel.emulate_nccl_p2p_order == configs.kernels.emulate_nccl_p2p_order
+    assert configs.parallel.emulate_nccl_p2p_order == rules
     layer = TransformerLayer(
         configs.model,
         Group.single(),
@@ -185,4 +206,9 @@ def test_emulate_flag_reaches_the_attention(emulate):
         kernels=configs.kernels,
         cp=Group((0, 1), 0),
     )
-    assert layer.self_attention.cp_emulate_nccl_order is emulate
+    assert layer.self_attention.cp_emulate_nccl_order == rules
+
+
+def test_an_unknown_emulation_rule_is_refused_by_name():
+    with pytest.raises(ConfigError, match="invalid choice: 'two-streams'"):
+        parse_args(argv() + ["--emulate-nccl-p2p-order", "two-streams"], 1)

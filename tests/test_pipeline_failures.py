@@ -1,16 +1,15 @@
 """A stage whose neighbour stops answering fails with an error naming that neighbour, in time.
 
 One rank of a 2-rank pipeline runs the executor with a 2 s p2p timeout; its peer either never
-posts its side of the first transfer, or runs part of the step and then stops (as a rank that
-died mid-step would; it returns instead of dying so that the harness collects both ranks'
-results). Gloo's rendezvous semantics make both directions observable: a receive waits for the
-peer's send, and a send of an unbound buffer waits for the peer's matching receive, so the
-first stage times out on its first send and the second stage on its first receive.
+posts its side of the first transfer (the start-up connection's token exchange), or runs part
+of the step and then stops (as a rank that died mid-step would; it returns instead of dying so
+that the harness collects both ranks' results). Gloo's rendezvous semantics make both
+directions observable: a receive waits for the peer's send, and a send of an unbound buffer
+waits for the peer's matching receive.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import pytest
@@ -26,6 +25,7 @@ from megapipe.pipeline.p2p import P2PCommunicator, PipelineCommError
 from megapipe.pipeline.partition import partition_layers
 from megapipe.pipeline.schedules import build_schedule
 from megapipe.testing import run_distributed
+from megapipe.testing.posting_before import receives_one_unit_early
 
 TIMEOUT_S = 2.0
 SILENCE_S = TIMEOUT_S + 1.0  # the silent peer outlives the timeout, so it is a timeout we see
@@ -88,8 +88,8 @@ def _run(rank: int, world_size: int, watcher: int, peer_stops_at: int | None):
 @pytest.mark.parametrize(
     "watcher,peer_stops_at,expected",
     [
-        (0, None, "send to pipeline rank 1"),  # the last stage never receives F0
-        (1, None, "receive from pipeline rank 0"),  # the first stage never sends F0
+        (0, None, "receive from pipeline rank 1 (global rank 1) of the start-up connection"),
+        (1, None, "receive from pipeline rank 0 (global rank 0) of the start-up connection"),
         (0, 1, "receive from pipeline rank 1"),  # the last stage stops at micro-batch 1
     ],
     ids=["silent-last-stage", "silent-first-stage", "last-stage-stops-mid-step"],
@@ -103,12 +103,13 @@ def test_a_silent_peer_times_out_with_its_name(watcher, peer_stops_at, expected)
 
 
 def _one_group_run(rank: int, world_size: int, emulate: bool):
-    """1F1B with receives posted ahead, every transfer over the one pipeline group (how megapipe
-    posted before each direction had a group of its own): fine on gloo, a hang under NCCL's
-    ordering."""
+    """1F1B with every receive posted one unit early over the pipeline group (how megapipe
+    posted before it relied only on what NCCL promises): fine on gloo, a hang under NCCL's
+    rules."""
     state = ParallelState.build(1, 2)
-    one_group = dataclasses.replace(state, pp_links=dict.fromkeys(state.pp_links, state.pp))
-    return _timed_step(_executor(one_group, post_ahead=True, emulate=emulate))
+    executor = _executor(state, emulate=emulate)
+    executor.actions = receives_one_unit_early("1f1b", 2, 1, M, state.pp_rank)
+    return _timed_step(executor)
 
 
 def test_nccl_order_emulation_hangs_where_gpus_would_and_names_the_peer() -> None:

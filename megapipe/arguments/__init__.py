@@ -37,7 +37,12 @@ from megapipe.arguments.model_flags import (
     resolve_position_embedding,
 )
 from megapipe.arguments.moe_flags import add_moe_args, moe_config, validate_moe_features
-from megapipe.arguments.parallel_flags import add_distributed_args, cp_comm_type, virtual_stages
+from megapipe.arguments.parallel_flags import (
+    add_distributed_args,
+    cp_comm_type,
+    nccl_emulation_rules,
+    virtual_stages,
+)
 from megapipe.arguments.recompute_flags import add_recompute_args, recompute_config
 from megapipe.arguments.sharding_flags import add_sharding_args, resolve_sharding
 from megapipe.arguments.training_flags import add_optimizer_args, add_training_args
@@ -121,7 +126,7 @@ def parse_args(argv: Sequence[str] | None, world_size: int) -> Configs:
         )
 
     backend = args.distributed_backend or default_backend()
-    if args.emulate_nccl_p2p_order and backend != "gloo":
+    if args.emulate_nccl_p2p_order is not None and backend != "gloo":
         raise ConfigError(
             f"--emulate-nccl-p2p-order emulates NCCL's ordering on gloo; this run's backend is "
             f"{backend}, which needs no emulation (drop the flag, or --distributed-backend gloo)"
@@ -172,7 +177,7 @@ def parse_args(argv: Sequence[str] | None, world_size: int) -> Configs:
         decoder_last_pipeline_num_layers=args.decoder_last_pipeline_num_layers,
         pipeline_p2p_timeout=args.pipeline_p2p_timeout,
         pipeline_receives_ahead=args.overlap_p2p_communication,
-        emulate_nccl_p2p_order=args.emulate_nccl_p2p_order,
+        emulate_nccl_p2p_order=nccl_emulation_rules(args.emulate_nccl_p2p_order),
         pipeline_trace=args.pipeline_trace,
         sequence_parallel=args.sequence_parallel,
         tp_comm_overlap=args.tp_comm_overlap,

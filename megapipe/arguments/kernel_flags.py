@@ -13,7 +13,7 @@ import importlib.util
 
 import torch
 
-from megapipe.arguments.parallel_flags import cp_comm_type
+from megapipe.arguments.parallel_flags import cp_comm_type, nccl_emulation_rules
 from megapipe.config import KernelConfig
 from megapipe.errors import ConfigError
 from megapipe.kernels.availability import Probe
@@ -151,8 +151,8 @@ def kernel_config(args: argparse.Namespace) -> KernelConfig:
         for name in ("fp8_format", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo")
     }
     cp = {"cp_comm_type": cp_comm_type(args)} if hasattr(args, "cp_comm_type") else {}
-    if getattr(args, "emulate_nccl_p2p_order", False):
-        cp["emulate_nccl_p2p_order"] = True
+    if getattr(args, "emulate_nccl_p2p_order", None) is not None:
+        cp["emulate_nccl_p2p_order"] = nccl_emulation_rules(args.emulate_nccl_p2p_order)
     return KernelConfig(attention_backend=backend, transformer_impl=args.transformer_impl,
                         attention_dropout_rng=args.attention_dropout_rng,
                         **switches, **fp8, **cp)  # fmt: skip

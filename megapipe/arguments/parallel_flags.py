@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from megapipe.config import NCCL_EMULATION_CHOICES, NCCL_RULES
 from megapipe.errors import ConfigError
 
 
@@ -109,18 +110,23 @@ def add_distributed_args(group: argparse._ArgumentGroup) -> None:
         dest="overlap_p2p_communication",
         action="store_true",
         default=True,
-        help="Post each pipeline receive one compute unit early, so that the transfer overlaps "
-        "that unit's compute (the default: faster in 8 of 8 measured schedule pairs, see "
-        "benchmarks/RESULTS.md). Safe under NCCL's ordering: each direction between two "
-        "stages has a process group (and so an NCCL stream) of its own.",
+        help="Post a pipeline receive one compute unit early where the unit it moves over "
+        "sends nothing, so that the transfer overlaps that unit's compute (the default). Safe "
+        "under what NCCL and CUDA promise: no send of the rank moves behind the receive "
+        "(docs/pipeline-schedules.md).",
     )
     group.add_argument(
         "--emulate-nccl-p2p-order",
-        action="store_true",
+        nargs="*",
+        choices=NCCL_EMULATION_CHOICES,
+        metavar="RULE",
         help="Debugging, gloo only: run the pipeline's and the context-parallel ring's "
-        "transfers as NCCL does, each process group's in posting order (a receive posted "
-        "early holds back that group's later transfers), so that an order that would hang on "
-        "GPUs hangs (and times out naming the peer) on the CPU too. Slower; off by default.",
+        "transfers under NCCL's rules, so that an order that would hang on GPUs hangs (and "
+        "times out naming the peer) on the CPU too. Every communicator's group calls run in "
+        "posting order, plus the rules named: 'handshake' (a rank's first call with a peer "
+        "blocks its host until the peer's first call there), 'one-queue' (all of a rank's "
+        "calls, and its collectives, in one queue); 'streams' for neither. Without a RULE: "
+        "both (the worst case NCCL and CUDA allow). Slower; off by default.",
     )
     group.add_argument(
         "--no-overlap-p2p-communication",
@@ -241,3 +247,11 @@ def cp_comm_type(args: argparse.Namespace) -> str:
     if value not in CP_COMM_TYPES:
         raise ConfigError(f"--cp-comm-type {value!r} is not one of {', '.join(CP_COMM_TYPES)}")
     return value
+
+
+def nccl_emulation_rules(value: list[str] | None) -> tuple[str, ...]:
+    """--emulate-nccl-p2p-order's rules: none when the flag is absent, every rule NCCL allows
+    (NCCL_RULES) for the bare flag, else the ones named (sorted, each once)."""
+    if value is None:
+        return ()
+    return tuple(sorted(set(value))) if value else NCCL_RULES

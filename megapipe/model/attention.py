@@ -66,12 +66,13 @@ class SelfAttention(torch.nn.Module):
         dropout_rng: str = "auto",
         cp: Group | None = None,
         cp_comm_type: str = "p2p",
-        cp_emulate_nccl_order: bool = False,
+        cp_emulate_nccl_order: tuple[str, ...] = (),
     ) -> None:
         """cp: the context-parallel group; with more than one rank, each holds its chunks of
         every sequence (`data/context_parallel_split.py`) and the core attention runs over the
         group (`context_parallel_attention`, `cp_comm_type`: p2p, all_gather or a2a;
-        `cp_emulate_nccl_order`: the p2p ring in NCCL's order on gloo, --emulate-nccl-p2p-order)."""
+        `cp_emulate_nccl_order`: the NCCL rules the p2p ring runs under on gloo,
+        --emulate-nccl-p2p-order)."""
         super().__init__()
         self.cp = cp if cp is not None and cp.size > 1 else None
         self.cp_comm_type = cp_comm_type

@@ -38,6 +38,7 @@ for p2p and all_gather, its heads ([b, heads/CP, S, S]) for a2a.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import replace
 from datetime import timedelta
 
@@ -53,6 +54,7 @@ from megapipe.model.context_parallel_ring import (
     Layout,
     RingAttention,
 )
+from megapipe.parallel.emulated_stream import emulation_rules
 from megapipe.parallel.mappings import all_gather_single, reduce_scatter_single
 
 COMM_TYPES = ("p2p", "all_gather", "a2a")
@@ -282,7 +284,7 @@ def context_parallel_attention(
     dropout_mask: torch.Tensor | None = None,
     overlap: bool = True,
     block_kernel: str = "auto",
-    emulate_nccl_order: bool = False,
+    emulate_nccl_order: bool | Iterable[str] = False,
     timeout_s: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole (CP-split) sequence.
@@ -302,8 +304,9 @@ def context_parallel_attention(
     attention_keep_mask` of the whole sequence); each rank uses its pairs' entries. Without a
     mask one is drawn here from the device's default generator (each rank its own: valid
     dropout, but not the one-rank run's).
-    `emulate_nccl_order` (p2p on gloo, --emulate-nccl-p2p-order): the ring's transfers run in
-    NCCL's order, so a posting order that would hang on GPUs times out here too; `timeout_s`
+    `emulate_nccl_order` (p2p on gloo, --emulate-nccl-p2p-order): the ring's transfers run
+    under NCCL's rules (True: all of them; or their names, `emulated_stream.emulation_rules`),
+    so a posting order that would hang on GPUs times out here too; `timeout_s`
     (p2p): how long a ring transfer may take before ContextParallelCommError names the peer
     (None: the process group's timeout).
     Returns [b, heads, s_local, d], differentiable w.r.t. q, k and v."""
@@ -333,7 +336,8 @@ def context_parallel_attention(
     cp = cp_group(group)
     if emulate_nccl_order or timeout_s is not None:
         timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
-        cp = replace(cp, emulate_nccl_order=emulate_nccl_order, timeout=timeout)
+        rules = emulation_rules(emulate_nccl_order)
+        cp = replace(cp, emulate_nccl_order=rules, timeout=timeout)
     layout = _layout(cp, q.shape[2], positions, document_ids)
     keep = None
     if dropout_p > 0:

@@ -22,7 +22,6 @@ rank does the same causal work.
 from __future__ import annotations
 
 import time
-import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -40,7 +39,7 @@ from megapipe.model.context_parallel_blocks import (
     merge_into,
     pair_mask,
 )
-from megapipe.parallel.emulated_stream import EmulatedStream, StreamBatch
+from megapipe.parallel.emulated_stream import StreamBatch, process_emulation
 
 
 @dataclass(frozen=True)
@@ -48,15 +47,16 @@ class CPGroup:
     """The CP process group as this rank sees it: torch group (None for one rank), our index,
     the group's size and its members' global ranks (what isend/irecv address).
 
-    emulate_nccl_order (--emulate-nccl-p2p-order, gloo only): the ring's transfers run in
-    NCCL's order (`_Ring`); timeout: how long a ring transfer may take (None: the process
-    group's own timeout, --distributed-timeout-minutes)."""
+    emulate_nccl_order (--emulate-nccl-p2p-order, gloo only): the NCCL rules under which the
+    ring's transfers run (`emulated_stream.NcclEmulation`; empty: none); timeout: how long a
+    ring transfer may take (None: the process group's own timeout,
+    --distributed-timeout-minutes)."""
 
     pg: dist.ProcessGroup | None
     rank: int
     size: int
     global_ranks: tuple[int, ...]
-    emulate_nccl_order: bool = False
+    emulate_nccl_order: frozenset[str] = frozenset()
     timeout: timedelta | None = None
 
     @property
@@ -84,12 +84,6 @@ def _group_timeout(pg: dist.ProcessGroup | None) -> timedelta | None:
         return None
 
 
-def _close_streams(streams: dict) -> None:
-    for stream in streams.values():
-        stream.close()
-    streams.clear()
-
-
 class _Ring:
     """The ring transfers of one forward or backward pass.
 
@@ -98,10 +92,10 @@ class _Ring:
     between two ranks on one stream in posting order, so with CP=2 (next == previous rank) a
     send posted on its own before the receive waits for the peer's receive, queued behind the
     peer's own send: a deadlock on GPUs, which gloo forgives. With `cp.emulate_nccl_order` the
-    batches go through emulated NCCL streams (`parallel/emulated_stream.py`) keyed as torch's
-    NCCL backend picks communicators: a batch uses the group's communicator, an operation
-    posted on its own the communicator of its two ranks. Every transfer is waited for before
-    the pass returns, so the streams live for one pass; `close` ends their threads.
+    batches go through this process's `NcclEmulation` (`parallel/emulated_stream.py`, shared
+    with the pipeline: one queue per rank), keyed as torch's NCCL backend picks communicators:
+    a batch uses the group's communicator, an operation posted on its own the communicator of
+    its two ranks. Every transfer is waited for before the pass returns.
     """
 
     # Tests only: post each send and receive on its own (the posting before the batches),
@@ -112,8 +106,11 @@ class _Ring:
         self.cp, self.phase = cp, phase
         self.host_waits = cp.pg is None or dist.get_backend(cp.pg) != "nccl"
         self.timeout = cp.timeout or _group_timeout(cp.pg) or timedelta(minutes=30)
-        self._streams: dict[tuple[int, ...], EmulatedStream] = {}
-        weakref.finalize(self, _close_streams, self._streams)  # a pass that raised
+        self.emulation = (
+            process_emulation(cp.emulate_nccl_order, self.timeout)
+            if cp.emulate_nccl_order
+            else None
+        )
 
     def post(self, tensors: list[torch.Tensor], step: int, what: str, tag: int) -> _Transfer:
         """Send `tensors` (`what`, e.g. "K/V") to the next rank, receive as many from the
@@ -124,22 +121,22 @@ class _Ring:
         """Post `ops`; (operation, what to wait for) pairs, one per handle the transport gave
         (a batch's handle is paired with its first receive, which its error then names)."""
         receive = next(op for op in ops if op.op is dist.irecv)
+        emulation, name = self.emulation, f"cp:{self.cp.pg.group_name}"
         if not self.grouped:
-            if self.cp.emulate_nccl_order:
-                return [(op, self._stream((op.peer,)).submit([op])) for op in ops]
+            if emulation is not None:  # torch's NCCL: a communicator per pair for lone p2p
+                me = self.cp.global_ranks[self.cp.rank]
+                return [
+                    (op, emulation.submit(f"{name}:{min(me, op.peer)}-{max(me, op.peer)}",
+                                          [op.peer], [op]))
+                    for op in ops
+                ]  # fmt: skip
             return [(op, op.op(op.tensor, op.peer, op.group, op.tag)) for op in ops]
-        if self.cp.emulate_nccl_order:
-            return [(receive, self._stream(self.cp.global_ranks).submit(ops))]
+        if emulation is not None:
+            return [(receive, emulation.submit(name, {op.peer for op in ops}, ops))]
         works = dist.batch_isend_irecv(ops)
         if len(works) == len(ops):
             return list(zip(ops, works))
         return [(receive, work) for work in works]  # a coalescing backend (NCCL)
-
-    def _stream(self, key: tuple[int, ...]) -> EmulatedStream:
-        stream = self._streams.get(key)
-        if stream is None:
-            stream = self._streams[key] = EmulatedStream(self.timeout)
-        return stream
 
     def failure(
         self, transfer: _Transfer, op: dist.P2POp, error: BaseException, whole_batch: bool
@@ -165,10 +162,6 @@ class _Ring:
     def _peer(self, index: int) -> str:
         index %= self.cp.size
         return f"CP rank {index} (global rank {self.cp.global_ranks[index]})"
-
-    def close(self) -> None:
-        """End the emulated streams' threads (every transfer has been waited for)."""
-        _close_streams(self._streams)
 
 
 class _Transfer:
@@ -321,7 +314,6 @@ class RingAttention(torch.autograd.Function):
             _forward_block(q, kv, src, cp.rank, layout, scale, fused, keep, dropout_p, out, lse)
             if pending is not None:
                 kv, src = pending.wait(), (src - 1) % cp.size
-        ring.close()
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, keep)
         ctx.cp, ctx.layout, ctx.scale, ctx.overlap, ctx.fused = cp, layout, scale, overlap, fused
@@ -354,7 +346,6 @@ class RingAttention(torch.autograd.Function):
             if pending is not None:
                 kv, src = pending.wait(), (src - 1) % cp.size
         dk, dv = home if grads is None else grads.wait()
-        ring.close()
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *([None] * 7)
 
 

@@ -10,8 +10,7 @@ outermost. Each kind's groups are listed as Megatron-Core's `RankGenerator.get_r
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from datetime import timedelta
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -97,44 +96,6 @@ def context_parallel_layout(
     }
 
 
-PipelineLink = tuple[str, int, int]  # (phase "F" or "B", sending pp rank, receiving pp rank)
-
-
-def pipeline_links(pp_ranks: list[int]) -> dict[PipelineLink, tuple[int, ...]]:
-    """Every directed link between neighbouring stages of one pipeline group -> its two global
-    ranks, sorted as torch numbers a group's members.
-
-    Activations ("F") go from pp rank i to i + 1 and gradients ("B") back, with the wrap-around
-    from the last rank to the first that interleaved schedules use. Each link becomes a process
-    group of its own so that on NCCL (one stream per group, transfers in posting order) every
-    stream carries data one way between two ranks: see `megapipe.pipeline.schedules.p2p_link`.
-    """
-    p = len(pp_ranks)
-    links: dict[PipelineLink, tuple[int, ...]] = {}
-    for i in range(p if p > 1 else 0):
-        j = (i + 1) % p
-        pair = tuple(sorted((pp_ranks[i], pp_ranks[j])))
-        links[("F", i, j)] = links[("B", j, i)] = pair
-    return links
-
-
-def new_link_groups(
-    pp_ranks: list[int], me: int, timeout: timedelta | None
-) -> dict[PipelineLink, Group]:
-    """Create a process group per link of one pipeline group; return those `me` belongs to.
-
-    Collective over the world: every rank calls it for every pipeline group, in the same order.
-    (Not with torch's members-only `use_local_synchronization`: it names a group by its ranks,
-    so the two links between the same two ranks would share one name and store prefix.)
-    """
-    mine: dict[PipelineLink, Group] = {}
-    for link, pair in pipeline_links(pp_ranks).items():
-        pg = dist.new_group(list(pair), timeout=timeout)
-        if me in pair:
-            mine[link] = Group(pair, pair.index(me), pg)
-    return mine
-
-
 def expert_parallel_layout(dp_cp_groups: list[list[int]], ep: int) -> dict[str, list[list[int]]]:
     """The expert groups, taken from each DP x CP group (Megatron's expert layout "tp-ep-dp-pp"
     with the experts' TP equal to the dense TP): `ep`, `ep` consecutive ranks of one DP x CP
@@ -182,8 +143,6 @@ class ParallelState:
     model_parallel: Group
     embedding: Group | None  # None on middle pipeline stages, which hold no embedding
     device: torch.device
-    # this rank's pipeline links (`pipeline_links`), each its own group: what p2p runs over
-    pp_links: Mapping[PipelineLink, Group] = field(default_factory=dict)
     # Hybrid sharding (--num-distributed-optimizer-instances N > 1): the DP group split into N
     # groups of consecutive DP ranks (`dp_inner`, where parameters are sharded) and the groups
     # of the ranks at the same place in each (`dp_outer`, across which they are replicated).
@@ -286,9 +245,6 @@ class ParallelState:
                         into[kind] = Group(tuple(ranks), ranks.index(me), pg)
 
         create({kind: layout[kind] for kind in GROUP_KINDS}, mine)
-        links: dict[PipelineLink, Group] = {}
-        for ranks in layout["pp"]:
-            links.update(new_link_groups(ranks, me, timeout))
         context: dict[str, Group | None] = {"cp": None, "dp_cp": None}
         replica_groups = layout["dp"]  # where parameters are sharded: DP, or DP x CP
         if cp > 1:
@@ -308,7 +264,6 @@ class ParallelState:
             world,
             me,
             device=torch.device(device),
-            pp_links=links,
             **mine,
             **hybrid,
             **context,

@@ -182,7 +182,11 @@ class PipelineExecutor:
         """
         step = _Step(get_batch, sample_ids, loss_scale, trace)
         self.peak_stashed = self.freed_outputs = 0
-        with torch.no_grad() if self.forward_only else contextlib.nullcontext():
+        self.comm.connect(len(self.chunks))  # once: no step's transfer waits in a handshake
+        with (
+            torch.no_grad() if self.forward_only else contextlib.nullcontext(),
+            self.comm.collectives_behind_queue(),
+        ):
             for action in self.actions:
                 if isinstance(action, Compute):
                     self._await_input(step, action)

@@ -29,7 +29,7 @@ from megapipe.data.batch import TrainingBatch
 from megapipe.errors import ConfigError
 from megapipe.model.activation_memory import saved_activation_bytes
 from megapipe.parallel.initialize import default_group_timeout
-from megapipe.parallel.state import Group, ParallelState, new_link_groups, pipeline_links
+from megapipe.parallel.state import Group, ParallelState
 from megapipe.pipeline.executor import PipelineExecutor
 from megapipe.pipeline.p2p import P2PCommunicator
 from megapipe.pipeline.schedules import P2P, build_schedule, validate_schedule
@@ -293,20 +293,12 @@ def _pipeline_state(group: dist.ProcessGroup | None, device: torch.device) -> Pa
     if not dist.is_initialized():
         one = ParallelState.single(device)
         return one
-    me, timeout = dist.get_rank(), default_group_timeout()
-    links = {}
-    if group is None:  # its own groups, with the job's timeout (new_group's default is 30 min)
-        world = list(range(dist.get_world_size()))
-        group = dist.new_group(world, timeout=timeout)
-        links = new_link_groups(world, me, timeout)
-    pg = group
-    ranks = tuple(dist.get_process_group_ranks(pg))
+    me = dist.get_rank()
+    if group is None:  # its own group, with the job's timeout (new_group's default is 30 min)
+        group = dist.new_group(list(range(dist.get_world_size())), timeout=default_group_timeout())
+    ranks = tuple(dist.get_process_group_ranks(group))
     single = Group.single(me)
-    pipeline = Group(ranks, ranks.index(me), pg if len(ranks) > 1 else None)
-    if not links:  # a group of the caller's: only its ranks are here to create groups, so every
-        # link is this one group (one NCCL stream), which Pipe's schedules, posting each receive
-        # just before its compute, keep free of deadlock (tests/test_nccl_ordering.py)
-        links = dict.fromkeys(pipeline_links(list(ranks)), pipeline)
+    pipeline = Group(ranks, ranks.index(me), group if len(ranks) > 1 else None)
     return ParallelState(
         world_size=dist.get_world_size(),
         rank=me,
@@ -317,5 +309,4 @@ def _pipeline_state(group: dist.ProcessGroup | None, device: torch.device) -> Pa
         model_parallel=pipeline,
         embedding=None,
         device=device,
-        pp_links=links,
     )

@@ -24,8 +24,10 @@ Communication is derived from the compute order, never written by hand. The orde
 *units* (one compute, or a steady-state forward+backward pair); between two consecutive units a
 rank posts, as one batch, the sends of what the first produced and the receives of everything
 the second needs (Megatron's send_forward_recv_backward and, for interleaving,
-send_forward_backward_recv_forward_backward). Posting them together is what keeps the
-schedules free of deadlock under blocking (rendezvous) send/recv; the simulator checks it.
+send_forward_backward_recv_forward_backward), all on the pipeline's one communicator
+(`p2p_channel`). Posting them together is what keeps the schedules free of deadlock under
+blocking (rendezvous) send/recv, one queue per rank and lazy connections; the simulator checks
+it (`build_schedule` says where receives may go early).
 """
 
 from __future__ import annotations
@@ -217,23 +219,22 @@ def transfer_key(op: P2P, rank: int, p: int) -> tuple[str, int, int, int]:
     return op.phase, op.microbatch, src, dst
 
 
-Link = tuple[str, int, int]
+PIPELINE_COMMUNICATOR = "pp"
 
 
-def p2p_link(rank: int, op: P2P) -> Link:
-    """The link `op` of pipeline rank `rank` travels over: (phase, sending rank, receiving rank).
+def p2p_channel(rank: int, op: P2P) -> str:
+    """The communicator `op` of pipeline rank `rank` travels over: the pipeline's one process
+    group, as in Megatron-LM, so that each `Comm` is one NCCL group call whatever its peers.
 
-    Each link is a process group of its own (`ParallelState.pp_links`), so on NCCL, which runs
-    a group's transfers on one stream in posting order, every stream carries data one way
-    between two ranks: a receive posted ahead holds back only later receives from the same
-    peer in the same direction, which FIFO matching orders after it anyway, and never a send.
-    One group for all transfers (or one per pair of ranks) deadlocks with receives posted
-    ahead; the simulator shows it (`simulate(..., ordering="nccl", channel=...)`).
+    A group (and so a stream) per direction between two stages, which megapipe had before,
+    relies on streams progressing independently and on connections made in an order the
+    schedule does not fix; NCCL and CUDA promise neither (`simulator.py`'s two rules), and the
+    simulator shows that design hanging under each rule (tests/test_nccl_ordering.py).
     """
-    return (op.phase, rank, op.peer) if op.op == "send" else (op.phase, op.peer, rank)
+    return PIPELINE_COMMUNICATOR
 
 
-def _neighbours(step: Compute, rank: int, p: int, v: int) -> tuple[P2P | None, P2P | None]:
+def neighbour_transfers(step: Compute, rank: int, p: int, v: int) -> tuple[P2P | None, P2P | None]:
     """(what `step` must receive first, what it must send afterwards), or None at the ends
     (and for W, which only needs what its own B left behind)."""
     if step.phase == "W":
@@ -260,18 +261,34 @@ def build_schedule(
     """Every action `rank` performs in one step, communication included.
 
     kind: one of SCHEDULE_KINDS (training), or FORWARD_ONLY (evaluation).
-    post_ahead: post each unit's receives one unit early, in the batch before the previous
-    unit (the first batch holds the first two units' receives), so that data can arrive while
-    the previous unit computes instead of after it; the executor still waits for a receive only
-    just before the compute that needs it. Per peer, receives keep their order, so FIFO
-    matching is unchanged.
+
+    Between two consecutive units a rank posts one batch (one NCCL group call on the
+    pipeline's communicator): the sends of what the first unit produced and the receives of
+    what the second needs, Megatron's send_forward_recv_backward and its kin. A unit's
+    receives move one batch earlier, into the batch before the unit ahead of it, when that
+    unit sends nothing: no send of this rank then stands between the receive's old and new
+    place in its queue, so the move cannot make a peer wait for this rank where it did not
+    before, under any of NCCL's rules (the simulator checks it). A W unit (zero-bubble weight
+    gradients) never splits a batch in two, so that a send before it and a receive after it
+    go in one group call, whose operations progress together (two calls, each rank sending
+    first, hang NCCL in the zero-bubble cool-down).
+
+    post_ahead (--overlap-p2p-communication, the default): receives move over every unit that
+    sends nothing, so that data can arrive while it computes (the executor still waits for a
+    receive only just before the compute that needs it); otherwise only over W units. Per
+    peer, receives keep their order, so FIFO matching is unchanged.
     """
     if not 0 <= rank < p:
         raise ConfigError(f"rank {rank} is outside a pipeline of {p} ranks")
     units = compute_units(kind, p, v, m, rank)
-    ends = [[_neighbours(step, rank, p, v) for step in unit] for unit in units]
+    ends = [[neighbour_transfers(step, rank, p, v) for step in unit] for unit in units]
     receives = [[recv for recv, _ in unit_ends if recv is not None] for unit_ends in ends]
-    lead = 1 if post_ahead else 0
+    sends = [[send for _, send in unit_ends if send is not None] for unit_ends in ends]
+
+    def moves_over(unit: Unit, unit_sends: list[P2P]) -> bool:
+        return not unit_sends if post_ahead else all(step.phase == "W" for step in unit)
+
+    early = [k > 0 and moves_over(units[k - 1], sends[k - 1]) for k in range(len(units))]
 
     def ordered(ops: list[P2P]) -> list[P2P]:
         # Sorted by transfer key on both sides, so that several transfers between the same two
@@ -279,17 +296,45 @@ def build_schedule(
         return sorted(ops, key=lambda op: transfer_key(op, rank, p))
 
     actions: list[Action] = []
-    pending_sends: list[P2P] = []
-    for k, unit in enumerate(units):
-        batch = [op for j in range(lead) if k == 0 for op in ordered(receives[j])]
-        batch += ordered(pending_sends + (receives[k + lead] if k + lead < len(units) else []))
+    for k in range(len(units) + 1):
+        batch = list(sends[k - 1]) if k else []
+        if k < len(units) and not early[k]:
+            batch += receives[k]
+        if k + 1 < len(units) and early[k + 1]:
+            batch += receives[k + 1]
         if batch:
-            actions.append(Comm(tuple(batch)))
-        actions.extend(unit)
-        pending_sends = [send for _, send in ends[k] if send is not None]
-    if pending_sends:
-        actions.append(Comm(tuple(pending_sends)))
+            actions.append(Comm(tuple(ordered(batch))))
+        if k < len(units):
+            actions.extend(units[k])
     return actions
+
+
+def connect_schedule(p: int, v: int, rank: int) -> list[Comm]:
+    """The start-up warm-up that makes every connection a schedule over `v` chunks per rank
+    uses, as batches `rank` posts: for each pair of neighbouring ranks, in one global order
+    ((0, 1), (1, 2), ..., then the wrap-around (p-1, 0) that interleaving adds), both post one
+    batch exchanging a token ("F" one way, "B" the other, micro-batch -1). Every rank meets
+    its pairs in that order, so no two ranks wait for each other in opposite orders, and the
+    first contact of each pair is matched: NCCL's lazy connection handshake completes
+    whatever the posting of the steps after it (the simulator proves both)."""
+    if not 0 <= rank < p:
+        raise ConfigError(f"rank {rank} is outside a pipeline of {p} ranks")
+    pairs = [(i, i + 1) for i in range(p - 1)]
+    if v > 1 and p > 2:
+        pairs.append((p - 1, 0))
+    batches: list[Comm] = []
+    for low, high in pairs:
+        wrap = high < low  # the last rank's chunk c feeds the first rank's chunk c + 1
+        if rank == low:
+            send = P2P("send", "F", -1, 0, high)
+            recv = P2P("recv", "B", -1, 0, high)
+        elif rank == high:
+            send = P2P("send", "B", -1, 1 if wrap else 0, low)
+            recv = P2P("recv", "F", -1, 1 if wrap else 0, low)
+        else:
+            continue
+        batches.append(Comm(tuple(sorted((send, recv), key=lambda op: transfer_key(op, rank, p)))))
+    return batches
 
 
 def format_schedule(actions: list[Action]) -> str:

@@ -10,12 +10,24 @@ first-in first-out); and at the end of the list the rank waits for its last send
 timeline under a cost model (forward 1, backward 2 or, split, B 1 and W 1, transfers
 `comm_cost` each) gives the bubble.
 
-`ordering="nccl"` is the GPU's rule instead: NCCL runs a process group's transfers on one CUDA
-stream in posting order, so each batch is split per group (`channel`, by default the link of
-`schedules.p2p_link`) and queued on that group's stream; a sub-batch starts only when the one
-before it on the stream has completed (a receive posted early holds back every later transfer
-of its group), a transfer completes once both sides' sub-batches have started, and the host
-never waits except for a compute's input (a stream wait on the GPU) and at the end of the list.
+`ordering="nccl"` is the GPU's rule instead: each batch is split per communicator (`channel`,
+by default `schedules.p2p_channel`), and each part is one NCCL group call queued on a CUDA
+stream; a group call starts only when the one before it on its queue has completed (a receive
+posted early holds back every later transfer queued behind it), a transfer completes once both
+sides' group calls have started (a send may wait for its receive), and the host never waits
+except for a compute's input (a stream wait on the GPU), at the end of the list, and in a
+handshake. Two rules say how little NCCL and CUDA promise (nvidia/nccl#783, pytorch#113281),
+each an option:
+
+- `handshake=True`, lazy connections: a rank's first group call with a peer on a communicator
+  blocks its host (inside `ncclGroupEnd`) until the peer's host reaches its own first group
+  call with this rank there. A warm-up that connects every pair before the first step
+  (`p2p.P2PCommunicator.connect`) is `handshake=False`.
+- `queue="rank"`, one queue per rank: every communicator's group calls of a rank run in one
+  posting order (CUDA does not promise that two streams progress together, and
+  `CUDA_DEVICE_MAX_CONNECTIONS=1` funnels them into one hardware queue), instead of
+  `queue="communicator"`, a stream per communicator that progresses on its own.
+
 `--emulate-nccl-p2p-order` makes real gloo runs behave the same (`p2p.py`).
 
 A forward-only (evaluation) schedule is checked the same way, expecting every forward and no
@@ -39,11 +51,12 @@ from megapipe.pipeline.schedules import (
     Comm,
     Compute,
     build_schedule,
-    p2p_link,
+    p2p_channel,
     transfer_key,
 )
 
 Ordering = Literal["gloo", "nccl"]
+Queue = Literal["communicator", "rank"]
 
 
 class ScheduleError(MegapipeError, RuntimeError):
@@ -95,7 +108,9 @@ def simulate(
     weight_cost: float = 1.0,
     compute_cost: Callable[[int, Compute], float] | None = None,
     ordering: Ordering = "gloo",
-    channel: Callable[[int, P2P], Hashable] = p2p_link,
+    channel: Callable[[int, P2P], Hashable] = p2p_channel,
+    handshake: bool = False,
+    queue: Queue = "communicator",
 ) -> Simulation:
     """Execute all ranks' lists; raise ScheduleError on deadlock or incomplete work.
 
@@ -104,25 +119,40 @@ def simulate(
     their backward. Lists with W computes must run one W after each B (weight_cost each).
     compute_cost(rank, compute): each compute's duration (e.g. measured ones, to replay a
     traced step), instead of the per-phase costs.
-    ordering: "gloo" or "nccl" (see the module docstring); channel(rank, op): the process
-    group (stream) that `op` of `rank` travels over under "nccl".
+    ordering: "gloo" or "nccl" (see the module docstring); channel(rank, op): the
+    communicator (process group) that `op` of `rank` travels over under "nccl"; handshake,
+    queue: NCCL's lazy connections and one queue per rank (the module docstring), "nccl" only.
     """
     costs = {"F": forward_cost, "B": backward_cost, "W": weight_cost}
     if compute_cost is None:
         compute_cost = lambda rank, step: costs[step.phase]  # noqa: E731
-    run = _Run(schedules, num_chunks, comm_cost, forward_only, compute_cost, ordering, channel)
+    nccl = _NcclRules(channel, handshake, queue) if ordering == "nccl" else None
+    run = _Run(schedules, num_chunks, comm_cost, forward_only, compute_cost, nccl)
     run.execute()
     run.check(num_microbatches, num_chunks)
     return run.sim
+
+
+@dataclass(frozen=True)
+class _NcclRules:
+    """What "nccl" ordering assumes: the communicator of each transfer, and the two rules."""
+
+    channel: Callable[[int, P2P], Hashable]
+    handshake: bool
+    queue: Queue
+
+    def queue_of(self, group: Hashable) -> Hashable:
+        """The queue a group call of `group` waits in: its own stream, or the rank's one."""
+        return group if self.queue == "communicator" else "queue"
 
 
 class _Run:
     """The state of one simulation: every rank's position in its list, clock and transfers.
 
     A transfer is keyed by its side and `transfer_key` ((side, key) below). `queued`: handed
-    to p2p by its rank; `started`: when it can move (gloo: when posted; nccl: when its
-    sub-batch reached the head of its group's stream). A transfer completes (`arrival`) once
-    both sides have started, plus the transfer's cost.
+    to p2p by its rank; `started`: when it can move (gloo: when posted; nccl: when its group
+    call reached the head of its queue). A transfer completes (`arrival`) once both sides have
+    started, plus the transfer's cost.
     """
 
     def __init__(
@@ -132,24 +162,27 @@ class _Run:
         comm_cost: float,
         forward_only: bool,
         compute_cost: Callable[[int, Compute], float],
-        ordering: Ordering,
-        channel: Callable[[int, P2P], Hashable],
+        nccl: _NcclRules | None,
     ) -> None:
         p = len(schedules)
         self.schedules, self.p = schedules, p
         self.comm_cost, self.forward_only, self.compute_cost = comm_cost, forward_only, compute_cost
-        self.nccl, self.channel = ordering == "nccl", channel
+        self.nccl = nccl
         self.pc = [0] * p
         self.clock = [0.0] * p
         self.queued: set[tuple] = set()
         self.started: dict[tuple, float] = {}
-        self.posted_batches: set[tuple[int, int]] = set()
         self.order: dict[tuple, list] = {}  # (side, pair, group) -> transfer keys in post order
         self.handed_over: dict[tuple, float] = {}  # nccl: when the host queued each transfer
-        # nccl: per rank and group, the sub-batches posted and not yet complete, oldest first
+        # nccl: the group calls of the current batch handed over so far, per rank
+        self.calls_done = [0] * p
+        # nccl, handshake: (group, rank, peer) -> when rank's host reached its first call there
+        self.arrived: dict[tuple[Hashable, int, int], float] = {}
+        # nccl: per rank and queue, the group calls posted and not yet complete, oldest first
         self.streams: list[dict[Hashable, list[list[tuple]]]] = [{} for _ in range(p)]
-        self.stream_free: dict[tuple[int, Hashable], float] = {}  # its last sub-batch's end
+        self.stream_free: dict[tuple[int, Hashable], float] = {}  # its last call's end
         self.sends: list[list[tuple[P2P, tuple]]] = [[] for _ in range(p)]  # gloo: in flight
+        self.posted_batches: set[tuple[int, int]] = set()  # gloo
         self.done: list[set] = [set() for _ in range(p)]
         self.in_flight = [0] * p
         self.sim = Simulation(p, peak_in_flight=[0] * p)
@@ -179,8 +212,7 @@ class _Run:
             if self.pc[r] < len(self.schedules[r]) or self.sends[r] or any(self.streams[r].values())
         ]
         if stuck:
-            waits = [_waiting(r, self.schedules, self.pc, self.sends, self.streams) for r in stuck]
-            raise ScheduleError("deadlock: " + "; ".join(waits))
+            raise ScheduleError("deadlock: " + "; ".join(self._waiting(r) for r in stuck))
         if self.nccl:  # a rank's step ends when its streams are idle
             for (rank, _), free in self.stream_free.items():
                 self.clock[rank] = max(self.clock[rank], free)
@@ -189,24 +221,23 @@ class _Run:
         moved = False
         actions = self.schedules[rank]
         while self.pc[rank] < len(actions):
-            moved |= self.nccl and self._advance_streams(rank)
+            moved |= self.nccl is not None and self._advance_streams(rank)
             action = actions[self.pc[rank]]
-            ran = (
-                self._compute(rank, action)
-                if isinstance(action, Compute)
-                else self._comm(rank, action)
-            )
+            if isinstance(action, Compute):
+                ran = self._compute(rank, action)
+            else:
+                ran = self._comm_nccl(rank, action) if self.nccl else self._comm_gloo(rank, action)
+            moved |= ran is not False  # None: part of a batch went, the host waits in the rest
             if not ran:
                 break
             self.pc[rank] += 1
-            moved = True
-        moved |= self.nccl and self._advance_streams(rank)
+        moved |= self.nccl is not None and self._advance_streams(rank)
         if self.pc[rank] == len(actions) and self.sends[rank] and self._drain(rank):
             moved = True
         return moved
 
     def _advance_streams(self, rank: int) -> bool:
-        """nccl: start each group's oldest sub-batch, retire it once all its transfers are
+        """nccl: start each queue's oldest group call, retire it once all its transfers are
         done, and start the next one then; True if anything moved."""
         moved = False
         for group, batches in self.streams[rank].items():
@@ -273,33 +304,63 @@ class _Run:
         del self.sends[rank][: len(older)]
         return True
 
-    def _comm(self, rank: int, batch: Comm) -> bool:
-        """Post the batch (once); gloo: then wait for the sends of the rank's earlier batches.
-        nccl: one sub-batch per group, each queued on its group's stream; the host goes on."""
+    def _queue(self, rank: int, op: P2P, group: Hashable) -> tuple:
+        """Hand one transfer to p2p: checked, and recorded in its pair's posting order."""
+        side_key = (op.op, transfer_key(op, rank, self.p))
+        if side_key in self.queued:
+            raise ScheduleError(f"rank {rank} posts {side_key} twice")
+        self.queued.add(side_key)
+        pair = (rank, op.peer) if op.op == "send" else (op.peer, rank)
+        self.order.setdefault((op.op, pair, group), []).append(side_key[1])
+        if op.op == "send" and self.forward_only and op.microbatch >= 0:  # let go of when sent
+            self.in_flight[rank] -= 1
+        return side_key
+
+    def _comm_gloo(self, rank: int, batch: Comm) -> bool:
+        """Post the batch (once), then wait for the sends of the rank's earlier batches."""
         if (rank, self.pc[rank]) not in self.posted_batches:
             self.posted_batches.add((rank, self.pc[rank]))
-            by_group: dict[Hashable, list[tuple]] = {}
             for op in batch.ops:
-                side_key = (op.op, transfer_key(op, rank, self.p))
-                if side_key in self.queued:
-                    raise ScheduleError(f"rank {rank} posts {side_key} twice")
-                self.queued.add(side_key)
-                group = self.channel(rank, op) if self.nccl else None
-                pair = (rank, op.peer) if op.op == "send" else (op.peer, rank)
-                self.order.setdefault((op.op, pair, group), []).append(side_key[1])
-                if self.nccl:
-                    self.handed_over[side_key] = self.clock[rank]
-                    by_group.setdefault(group, []).append(side_key)
-                else:
-                    self.started[side_key] = self.clock[rank]
-                    if op.op == "send":
-                        self.sends[rank].append((op, side_key[1]))
-                if op.op == "send" and self.forward_only:  # the output is let go of when sent
-                    self.in_flight[rank] -= 1
-            for group, sub_batch in by_group.items():
-                self.streams[rank].setdefault(group, []).append(sub_batch)
-        new_sends = sum(op.op == "send" for op in batch.ops)
-        return self.nccl or self._drain(rank, keep=new_sends)
+                side_key = self._queue(rank, op, None)
+                self.started[side_key] = self.clock[rank]
+                if op.op == "send":
+                    self.sends[rank].append((op, side_key[1]))
+        return self._drain(rank, keep=sum(op.op == "send" for op in batch.ops))
+
+    def _comm_nccl(self, rank: int, batch: Comm) -> bool | None:
+        """One group call per communicator, in the batch's order, each queued on its queue;
+        the host goes on, except in a first contact's handshake (True when the whole batch is
+        handed over; None when part of it went, or the host reached a handshake, and waits in
+        the handshake; False when nothing changed)."""
+        assert self.nccl is not None
+        calls = _group_calls(batch, rank, self.nccl.channel)
+        went, arrivals = self.calls_done[rank], len(self.arrived)
+        while self.calls_done[rank] < len(calls):
+            group, ops = calls[self.calls_done[rank]]
+            if self.nccl.handshake and not self._connected(rank, group, ops):
+                moved = self.calls_done[rank] > went or len(self.arrived) > arrivals
+                return None if moved else False
+            side_keys = [self._queue(rank, op, group) for op in ops]
+            for side_key in side_keys:
+                self.handed_over[side_key] = self.clock[rank]
+            queue = self.nccl.queue_of(group)
+            self.streams[rank].setdefault(queue, []).append(side_keys)
+            self.calls_done[rank] += 1
+        self.calls_done[rank] = 0
+        return True
+
+    def _connected(self, rank: int, group: Hashable, ops: Sequence[P2P]) -> bool:
+        """handshake: whether every peer of this group call has reached its first call with
+        this rank on `group` (this rank's arrival is recorded at its first try); the host's
+        clock moves to the last arrival."""
+        peers = {op.peer for op in ops}
+        for peer in peers:
+            self.arrived.setdefault((group, rank, peer), self.clock[rank])
+        if any((group, peer, rank) not in self.arrived for peer in peers):
+            return False
+        arrivals = [self.arrived[(group, peer, rank)] for peer in peers]
+        self.clock[rank] = max([self.clock[rank], *arrivals])
+        return True
 
     def check(self, num_microbatches: int, num_chunks: int) -> None:
         """FIFO matching pairs the right tensors, and every rank ran all its work."""
@@ -320,23 +381,39 @@ class _Run:
                 missing = sorted(expected - self.done[rank])
                 raise ScheduleError(f"rank {rank} never runs {missing[:4]}")
 
+    def _waiting(self, rank: int) -> str:
+        """What a stuck rank waits for, for the deadlock message."""
+        actions, pc = self.schedules[rank], self.pc[rank]
+        action = actions[pc] if pc < len(actions) else None
+        where = str(action) if action is not None else "its end"
+        blocked = [
+            f"{group} stream blocked in " + " ".join(f"{side}-{key}" for side, key in batches[0])
+            for group, batches in self.streams[rank].items()
+            if batches
+        ]
+        behind = f"; its {', '.join(blocked)}" if blocked else ""
+        if isinstance(action, Compute):
+            return f"rank {rank} waits in {where} (for its input{behind})"
+        if isinstance(action, Comm) and self.nccl is not None:
+            group, ops = _group_calls(action, rank, self.nccl.channel)[self.calls_done[rank]]
+            peers = sorted({op.peer for op in ops if (group, op.peer, rank) not in self.arrived})
+            if peers:
+                return f"rank {rank} waits in {where} (connecting to {peers} on {group}{behind})"
+        if not self.sends[rank]:
+            return f"rank {rank} waits in {where}{behind}"
+        unsent = " ".join(str(op) for op, _ in self.sends[rank])
+        return f"rank {rank} waits in {where} (for its {unsent} to be received)"
 
-def _waiting(rank: int, schedules, pc: list[int], sends, streams) -> str:
-    """What a stuck rank waits for, for the deadlock message."""
-    where = str(schedules[rank][pc[rank]]) if pc[rank] < len(schedules[rank]) else "its end"
-    action = schedules[rank][pc[rank]] if pc[rank] < len(schedules[rank]) else None
-    blocked = [
-        f"{group} stream blocked in " + " ".join(f"{side}-{key}" for side, key in batches[0])
-        for group, batches in streams[rank].items()
-        if batches
-    ]
-    behind = f"; its {', '.join(blocked)}" if blocked else ""
-    if isinstance(action, Compute):
-        return f"rank {rank} waits in {where} (for its input{behind})"
-    if not sends[rank]:
-        return f"rank {rank} waits in {where}{behind}"
-    unsent = " ".join(str(op) for op, _ in sends[rank])
-    return f"rank {rank} waits in {where} (for its {unsent} to be received)"
+
+def _group_calls(
+    batch: Comm, rank: int, channel: Callable[[int, P2P], Hashable]
+) -> list[tuple[Hashable, list[P2P]]]:
+    """A batch as the NCCL group calls it is posted in: one per communicator, in the order of
+    each communicator's first operation in the batch."""
+    calls: dict[Hashable, list[P2P]] = {}
+    for op in batch.ops:
+        calls.setdefault(channel(rank, op), []).append(op)
+    return list(calls.items())
 
 
 def simulate_kind(
