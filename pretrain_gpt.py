@@ -9,7 +9,9 @@ prints the traceback above that line.
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 import sys
 import warnings
 from collections.abc import Sequence
@@ -40,7 +42,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_cli(PROG, _run, argv)
 
 
+STACK_DUMP_SIGNAL = signal.SIGUSR2  # `kill -USR2 PID`: every thread's stack on stderr
+
+
+def install_stack_dump() -> None:
+    """Print every thread's stack on STACK_DUMP_SIGNAL, and go on: a hung rank tells where it
+    waits without a debugger (tools/gpu_check.sh signals every rank of a run that has not
+    finished in time). --exit-signal SIGUSR2 takes the signal over."""
+    faulthandler.register(STACK_DUMP_SIGNAL, all_threads=True)
+
+
 def _run(argv: list[str]) -> int:
+    install_stack_dump()
     world_size = _world_size()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # reported below, once, from rank 0

@@ -8,8 +8,10 @@ Variants, all in one run:
 - single: one process with all layers, gradient accumulation over the m micro-batches;
 - megapipe-1f1b / -interleaved / -zero-bubble / -interleaved-zb: megapipe's PipelineExecutor
   (1f1b, interleaved-1f1b with v=2, zero-bubble-h1, interleaved-zero-bubble with v=2), each also
-  `-ahead`: with receives posted one unit ahead (`build_schedule(..., post_ahead=True)`,
-  pretrain_gpt's default);
+  `-ahead`: with receives moved one unit early over units that send nothing
+  (`build_schedule(..., post_ahead=True)`, pretrain_gpt's default), and `-before`: with every
+  receive one unit early whatever the unit sends (megapipe's default before it relied only on
+  what NCCL promises, `megapipe.testing.posting_before`; gloo forgives it, NCCL may not);
 - torch-1f1b / -interleaved / -zero-bubble / -interleaved-zb: torch.distributed.pipelining's
   PipelineStage with Schedule1F1B / ScheduleInterleaved1F1B / ScheduleInterleavedZeroBubble (one
   stage per rank: its ZB1P, i.e. ZB-H1) / ScheduleInterleavedZeroBubble (two), on the same
@@ -65,6 +67,7 @@ from megapipe.pipeline.timeline import (
 )
 from megapipe.pipeline.trace import TraceRecorder, chrome_trace
 from megapipe.testing import run_distributed
+from megapipe.testing.posting_before import receives_one_unit_early
 
 PP = 2
 SEED = 1234
@@ -74,7 +77,7 @@ KINDS = {  # variant suffix -> (megapipe schedule, chunks per rank)
     "zero-bubble": ("zero-bubble-h1", 1),
     "interleaved-zb": ("interleaved-zero-bubble", 2),
 }
-MODES = {"": False, "-ahead": True}  # megapipe variant suffix -> receives posted ahead
+MODES = ("", "-ahead", "-before")  # megapipe variant suffix: the receives' posting
 VARIANTS = (
     "single",
     "single-x2",
@@ -90,8 +93,15 @@ Step = Callable[..., float | None]  # one training step; the mean loss where thi
 def variant_kind(name: str) -> tuple[str, str]:
     """`megapipe-interleaved-zb-ahead` -> ("interleaved-zb", "-ahead"): KINDS key, MODES key."""
     rest = name.split("-", 1)[1]
-    kind = rest.removesuffix("-ahead")
+    kind = rest.removesuffix("-ahead").removesuffix("-before")
     return kind, rest[len(kind) :]
+
+
+def schedule_of(kind: str, v: int, m: int, rank: int, mode: str) -> list:
+    """Rank `rank`'s actions for a MODES suffix."""
+    if mode == "-before":
+        return receives_one_unit_early(kind, PP, v, m, rank)
+    return build_schedule(kind, PP, v, m, rank, post_ahead=mode == "-ahead")
 
 
 def model_config(args: argparse.Namespace) -> ModelConfig:
@@ -162,11 +172,10 @@ def megapipe_step(
     """A step of megapipe's executor; step(trace=recorder) also records its actions."""
     chunks = _chunks(args, state, v)
     m = args.microbatches
-    post_ahead = MODES[mode]
     executor = PipelineExecutor(
         chunks,
         state,
-        build_schedule(kind, PP, v, m, state.pp_rank, post_ahead=post_ahead),
+        schedule_of(kind, v, m, state.pp_rank, mode),
         num_microbatches=m,
         activation_shape=activation_shape(model_config(args), args.micro_batch, 1, False),
     )
@@ -362,7 +371,8 @@ def diagnose(args: argparse.Namespace, name: str, traced: list) -> dict:
     for events_per_rank in traced:
         boxes = tuple(boxes_from_trace(chrome_trace(events_per_rank)))
         timeline = Timeline(boxes, PP, args.microbatches, v, name, "ms")
-        replayed = replayed_makespan(timeline, kind, MODES[mode])
+        # free transfers: the replay depends on the computes' order only, the same in every mode
+        replayed = replayed_makespan(timeline, kind, post_ahead=mode != "")
         if replayed is None:
             raise SystemExit(f"error: the traced step of {name} is not its schedule's computes")
         spans.append(timeline.makespan)

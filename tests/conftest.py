@@ -16,6 +16,25 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def needs_cuda(item: pytest.Item) -> bool:
+    """Whether a test is skipped where there is no CUDA device: a skipif whose reason names
+    CUDA (its condition is an evaluated bool by now, so the reason's wording is the contract;
+    "where CUDA is present" marks the opposite, a test of the CPU-only refusal)."""
+    for mark in item.iter_markers("skipif"):
+        reason = str(mark.kwargs.get("reason", ""))
+        if "CUDA" in reason and "present" not in reason:
+            return True
+    return False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # `pytest -m cuda` (tools/gpu_check.sh's cuda-tests part) selects every test that CI skips
+    # for want of a CUDA device, so that none is left out of the GPU check
+    for item in items:
+        if needs_cuda(item):
+            item.add_marker(pytest.mark.cuda)
+
+
 @pytest.fixture(scope="session")
 def demo_jsonl(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from megapipe.data.demo_corpus import demo_documents

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -76,6 +77,68 @@ def test_gpu_count_is_torchs_without_nvidia_smi(tmp_path) -> None:
     assert broken.stdout.strip() == "0" and broken.returncode == 0
 
 
+def test_the_cuda_part_selects_every_test_that_needs_cuda() -> None:
+    # every file with a test skipped for want of CUDA contributes to `pytest -m cuda`
+    needing = sorted(
+        path.name
+        for path in (ROOT / "tests").glob("test_*.py")
+        if path.name != "test_gpu_check.py"
+        and any(
+            pattern in path.read_text()
+            for pattern in ("skipif(not torch.cuda.is_available()", "and torch.cuda.is_available()")
+        )
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "cuda", "tests"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT, env=_env(),
+    )  # fmt: skip
+    selected = {  # `-q --collect-only` prints "tests/test_x.py: COUNT" per file
+        line.split(":")[0].removeprefix("tests/")
+        for line in done.stdout.splitlines()
+        if line.startswith("tests/test_")
+    }
+    assert len(needing) >= 5 and set(needing) <= selected, (needing, selected)
+    assert "test_arguments.py" not in selected  # its CUDA skip is the CPU-only refusal's
+
+
+def test_each_part_can_run_alone_and_an_unknown_one_is_named(tmp_path) -> None:
+    assert _sourced("selected_parts", tmp_path).stdout.split() == [
+        "cuda-tests", "training", "mfu", "bench", "multi-gpu"
+    ]  # fmt: skip
+    picked = _sourced("selected_parts --parts multi-gpu,cuda-tests", tmp_path)
+    assert picked.stdout.split() == ["multi-gpu", "cuda-tests"]
+    wrong = _sourced("selected_parts --parts kernels", tmp_path)
+    assert wrong.returncode == 2 and "unknown part 'kernels'" in wrong.stderr
+    # every cap under 9 minutes: a 10-minute device command holds any one part
+    caps = [
+        int(c)
+        for c in re.findall(r"part [a-z-]+ (\d+) ", (ROOT / "tools" / "gpu_check.sh").read_text())
+    ]
+    assert len(caps) == 5 and max(caps) < 9 * 60
+
+
+@pytest.mark.slow
+def test_a_run_not_finished_in_time_prints_every_ranks_stacks_and_goes_on(tmp_path) -> None:
+    # two stand-in ranks (named pretrain_gpt.py, as the part's ranks are) that install
+    # pretrain_gpt's stack dump and then wait, under one parent, as torchrun's ranks are
+    rank = tmp_path / "pretrain_gpt.py"
+    rank.write_text(
+        f"import sys, time\nsys.path.insert(0, {str(ROOT)!r})\n"
+        "from pretrain_gpt import install_stack_dump\n"
+        "install_stack_dump()\nprint('ready', flush=True)\ntime.sleep(12)\n"
+    )
+    script = ROOT / "tools" / "gpu_check.sh"
+    command = f"with_stack_dumps 8 bash -c 'python {rank} & python {rank} & wait'; echo status $?"
+    done = subprocess.run(
+        ["/bin/bash", "-c", f"source {script} && {command}"], capture_output=True, text=True,
+        timeout=120, cwd=tmp_path, env=_env(),
+    )  # fmt: skip
+    assert "gpu_check: not finished after 8 s" in done.stdout, done.stdout + done.stderr
+    assert done.stdout.count("ready") == 2 and "status 0" in done.stdout  # both went on
+    assert done.stderr.count("most recent call first") >= 2, done.stderr  # each rank's stack
+    assert done.stderr.count(str(rank)) >= 2  # each stack names the stand-in rank's file
+
+
 def test_multi_gpu_part_runs_with_two_gpus_and_says_why_it_skips_with_one(tmp_path) -> None:
     for gpus in (2, 8):
         assert _sourced(f"multi_gpu_plan {gpus}", tmp_path).stdout.strip() == "run"
@@ -96,6 +159,7 @@ def test_multi_gpu_command_trains_two_pipeline_ranks_on_gloo(tmp_path) -> None:
     lines = [line for line in done.stdout.splitlines() if line.startswith(" iteration ")]
     assert [line.split()[1] for line in lines] == [f"{i}/" for i in range(1, 6)]
     assert "model parallel rank (0, 1)" in done.stdout  # the second pipeline stage ran
+    assert "--attention-dropout" not in (ROOT / "tools" / "gpu_check.sh").read_text()
     losses = [float(line.split("lm loss:")[1].split()[0]) for line in lines]
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
 

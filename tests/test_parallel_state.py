@@ -7,7 +7,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from megapipe.errors import ConfigError
-from megapipe.parallel.state import GROUP_KINDS, ParallelState, rank_layout
+from megapipe.parallel.state import (
+    GROUP_KINDS,
+    ParallelState,
+    communicators_of,
+    group_layout,
+    rank_layout,
+)
 from megapipe.testing import run_distributed
 
 
@@ -90,3 +96,33 @@ def test_single_rank_state_needs_no_process_group():
     assert state.tp.size == state.pp.size == state.dp.size == state.world.size == 1
     assert state.world.pg is None  # a group of one: collectives over it are skipped
     assert state.is_first_stage and state.is_last_stage
+
+
+def test_communicators_per_rank_of_the_issues_layouts():
+    # TP2 x PP4 (8 ranks) and TP2 x PP2 x CP2 (8 ranks): the groups each rank has company in,
+    # each an NCCL communicator; the pipeline's transfers use `pp`'s, and `world` is the
+    # default group's. Before, each rank also had a world group of its own and a group per
+    # direction to each pipeline neighbour (4 more, the wrap-around's included): 9-10 and 12.
+    tp2_pp4 = group_layout(8, 2, 4)
+    ends = ["world", "tp", "pp", "model_parallel", "embedding"]
+    assert [communicators_of(r, tp2_pp4) for r in (0, 1, 6, 7)] == [ends] * 4
+    assert [communicators_of(r, tp2_pp4) for r in (2, 3, 4, 5)] == [ends[:-1]] * 4
+    cp = group_layout(8, 2, 2, cp=2)
+    assert all(communicators_of(r, cp) == [*ends, "cp", "dp_cp"] for r in range(8))
+    # with DP and EP too (TP2 x PP2 x CP2 x DP2, EP2): every kind
+    assert communicators_of(0, group_layout(16, 2, 2, 2, 1, 2)) == [
+        "world", "tp", "pp", "dp", "model_parallel", "embedding", "cp", "dp_cp", "ep", "expert_dp"
+    ]  # fmt: skip
+
+
+def _process_groups(rank, world, tp, pp, cp):
+    state = ParallelState.build(tp, pp, context_parallel_size=cp)
+    kinds = communicators_of(rank, group_layout(world, tp, pp, cp))
+    distinct = {id(getattr(state, kind).pg) for kind in kinds}
+    return kinds, len(distinct), state.world.pg is dist.group.WORLD
+
+
+@pytest.mark.parametrize("tp,pp,cp", [(2, 2, 1), (1, 2, 2)])
+def test_build_makes_one_process_group_per_communicator_and_world_is_the_default(tp, pp, cp):
+    for kinds, distinct, world_is_default in run_distributed(_process_groups, 4, tp, pp, cp):
+        assert distinct == len(kinds) and world_is_default

@@ -1,33 +1,42 @@
 #!/usr/bin/env bash
 # The GPU check: everything CI cannot run, on a machine with CUDA GPUs and no network.
 #
-#   bash tools/gpu_check.sh            # from anywhere; not yet timed on a GPU (caps: 1,260 s)
+#   bash tools/gpu_check.sh                       # every part, one after the other
+#   bash tools/gpu_check.sh --parts cuda-tests    # some parts (comma-separated), e.g. one per
+#                                                 # command where a command may take 10 minutes
 #
-# Parts (each under its own `timeout`; a part cut off by its cap is a TIMEOUT):
-#   kernels   tests/test_kernels_cuda.py: every fused kernel (Triton, apex, TE) against an fp64
-#             reference in fp32, bf16 and fp16, forward and backward (a NaN never passes); plus
-#             tests/test_transformer_engine.py (its TE cases run when TE is installed) and
-#             tests/test_grad_norm.py (the CUDA grad norm against float64)
+# Parts (each under its own `timeout`, every cap under 9 minutes on a cold cache; a part cut
+# off by its cap is a TIMEOUT):
+#   cuda-tests  every test that needs CUDA (`pytest -m cuda`: the conftest marks each test
+#             skipped here for want of a CUDA device): every fused kernel (Triton, apex, TE)
+#             against an fp64 reference in fp32, bf16 and fp16, forward and backward
+#             (tests/test_kernels_cuda.py), the CUDA grad norm, the bf16 weight-gradient GEMM,
+#             TE's CUDA cases where TE is installed, the async saver's device, the memory line
 #   training  benchmarks/gpu_training_check.py: a small GPT trained with pretrain_gpt.py in
 #             fp32, bf16 and fp16 (and TE bf16 / TE FP8 where TE is installed): losses fall and
 #             stay within each precision's tolerance of fp32
 #   mfu       benchmarks/bench_gpu_mfu.py: a ~1.3B GPT (24 x 2048, 16 heads, seq 2048, bf16,
 #             flash attention, fused kernels) against a plain-PyTorch GPT of the same math
 #   bench     benchmarks/bench_kernels.py: each fused op's speed-up over its reference
-#   multi-gpu torchrun pretrain_gpt.py on 2 ranks, PP=2, NCCL, bf16, a tiny GPT for a few
-#             iterations (only with 2+ GPUs: NCCL refuses two ranks on one GPU, "Duplicate GPU
-#             detected", so with one GPU the part is skipped and says so)
+#   multi-gpu torchrun pretrain_gpt.py on 2 ranks, PP=2, NCCL, bf16, a tiny GPT with every
+#             default pipeline flag (receives posted ahead, the start-up connections) and the
+#             default dropout (0.1), with NCCL_DEBUG=INFO; a rank that has not finished after
+#             60 s prints every thread's stack (SIGUSR2). Only with 2+ GPUs: NCCL refuses two
+#             ranks on one GPU ("Duplicate GPU detected"), so with one GPU the part is skipped
+#             and says so
 #
 # The caps are sized for a cold Triton cache (a fresh machine or container, ~/.triton/cache
 # empty): every Triton kernel then compiles on first use, per dtype, forward and backward and
 # per shape specialisation (LLVM + ptxas; estimated at ~1-3 s each, and CUDA start-up at
-# ~5-10 s per pretrain_gpt.py process: not yet timed here, so the caps err long). kernels compiles ~40 variants (3 dtypes x 7 kernels x
-# forward/backward), training 3-5 runs that each compile their dtype's kernels, mfu and bench
-# the bf16 kernels at their shapes, multi-gpu the same on two ranks at once; a warm rerun takes
-# a fraction of each cap. Caps: kernels 300, training 300, mfu 300, bench 180, multi-gpu 180 s.
+# ~5-10 s per pretrain_gpt.py process: not yet timed here, so the caps err long). cuda-tests
+# compiles ~40 variants (3 dtypes x 7 kernels x forward/backward) after collecting the suite,
+# training 3-5 runs that each compile their dtype's kernels, mfu and bench the bf16 kernels at
+# their shapes, multi-gpu the same on two ranks at once; a warm rerun takes a fraction of each
+# cap. Caps: cuda-tests 420, training 300, mfu 300, bench 180, multi-gpu 180 s.
 #
 # Writes the parts' logs and JSON to $GPU_CHECK_OUT (default benchmarks/out/gpu_check/), prints
-# one summary table last and exits 1 if any part failed, 2 if there is no CUDA device.
+# one summary table last and exits 1 if any part failed, 2 if there is no CUDA device (or an
+# unknown part was asked for).
 # Sourced (`source tools/gpu_check.sh`), it only defines its functions (tests/test_gpu_check.py).
 # `bash tools/gpu_check.sh --multi-gpu-run gloo` runs the multi-gpu part's command on CPU ranks.
 set -u -o pipefail
@@ -58,8 +67,9 @@ multi_gpu_plan() {
 }
 
 # multi_gpu_run BACKEND [FLAGS...]: the 2-rank check, torchrun pretrain_gpt.py with PP=2 on
-# BACKEND (nccl here; gloo for its CPU test) and a tiny GPT for 5 iterations, plus FLAGS.
-# Also `bash tools/gpu_check.sh --multi-gpu-run BACKEND [FLAGS...]`.
+# BACKEND (nccl here; gloo for its CPU test) and a tiny GPT for 5 iterations with the default
+# pipeline flags and dropout, plus FLAGS. Also `bash tools/gpu_check.sh --multi-gpu-run
+# BACKEND [FLAGS...]`.
 multi_gpu_run() {
     local backend="$1"
     shift
@@ -68,7 +78,43 @@ multi_gpu_run() {
         --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 \
         --max-position-embeddings 64 --vocab-size 512 --micro-batch-size 1 \
         --global-batch-size 4 --train-iters 5 --lr 1e-3 --mock-data --eval-iters 0 \
-        --log-interval 1 --attention-dropout 0 --hidden-dropout 0 --seed 1234 "$@"
+        --log-interval 1 --seed 1234 "$@"
+}
+
+# descendants PID: every process below PID (children, grandchildren, ...), read from /proc.
+descendants() {
+    local status pid
+    for status in /proc/[0-9]*/status; do
+        pid="${status#/proc/}"
+        pid="${pid%/status}"
+        if [ "$(awk '/^PPid:/ {print $2}' "$status" 2>/dev/null)" = "$1" ]; then
+            echo "$pid"
+            descendants "$pid"
+        fi
+    done
+}
+
+# with_stack_dumps SECONDS COMMAND...: run COMMAND; if it has not finished after SECONDS, send
+# SIGUSR2 to every process below it (pretrain_gpt.py prints every thread's stack on it) and say
+# so, then wait for it; COMMAND's exit status.
+with_stack_dumps() {
+    local seconds="$1" pid waited=0
+    shift
+    "$@" &
+    pid=$!
+    while kill -0 "$pid" 2>/dev/null && [ "$waited" -lt "$seconds" ]; do
+        sleep 1
+        waited=$((waited + 1))
+    done
+    if kill -0 "$pid" 2>/dev/null; then
+        echo "gpu_check: not finished after ${seconds} s: every rank's stacks follow (SIGUSR2)"
+        for child in $(descendants "$pid"); do
+            if grep -q pretrain_gpt "/proc/$child/cmdline" 2>/dev/null; then
+                kill -USR2 "$child" 2>/dev/null
+            fi
+        done
+    fi
+    wait "$pid"
 }
 
 NAMES=() RESULTS=() SECONDS_TAKEN=() DETAILS=()
@@ -91,8 +137,74 @@ part() {
     NAMES+=("$name") RESULTS+=("$result") SECONDS_TAKEN+=("$(($(date +%s) - start))")
 }
 
+PARTS=(cuda-tests training mfu bench multi-gpu)
+
+run_part() {
+    local gpus="$2" plan
+    case "$1" in
+        cuda-tests)
+            part cuda-tests 420 "$PYTHON" -m pytest -o addopts= -q -rfs -p no:cacheprovider \
+                -m cuda tests
+            DETAILS+=("$(grep -E '[0-9]+ (passed|failed|skipped|error)' "$OUT/cuda-tests.log" \
+                | tail -n 1)")
+            ;;
+        training)
+            part training 300 "$PYTHON" benchmarks/gpu_training_check.py \
+                --json "$OUT/gpu_training_check.json"
+            DETAILS+=("$(grep -E '^(bf16|fp16|te-bf16|te-fp8) ' "$OUT/training.log" \
+                | awk '{print $1 " " $4 " vs fp32"}' | paste -sd ';' -)")
+            ;;
+        mfu)
+            part mfu 300 "$PYTHON" benchmarks/bench_gpu_mfu.py --json "$OUT/gpu_mfu.json"
+            DETAILS+=("$(grep -E '^(megapipe|plain)' "$OUT/mfu.log" \
+                | awk '{print $1 " MFU " $(NF-1) " " $NF}' | paste -sd ';' -)")
+            ;;
+        bench)
+            part bench 180 "$PYTHON" benchmarks/bench_kernels.py --impl triton,apex,te \
+                --json "$OUT/kernels.json"
+            DETAILS+=("speed-up per op: $OUT/bench.log")
+            ;;
+        multi-gpu)
+            plan="$(multi_gpu_plan "$gpus")"
+            if [ "$plan" = "run" ]; then
+                NCCL_DEBUG=INFO part multi-gpu 180 bash -c "source '$ROOT/tools/gpu_check.sh' \
+                    && with_stack_dumps 60 multi_gpu_run nccl --bf16"
+                DETAILS+=("$(grep -oE 'iteration +[0-9]+/ +[0-9]+|lm loss: [0-9.E+-]+' \
+                    "$OUT/multi-gpu.log" | tail -n 2 | paste -sd ' ' -)")
+            else
+                echo
+                echo "$plan" | tee "$OUT/multi-gpu.log"
+                NAMES+=("multi-gpu") RESULTS+=("skipped") SECONDS_TAKEN+=(0)
+                DETAILS+=("needs 2 GPUs (NCCL refuses two ranks on one GPU)")
+            fi
+            ;;
+    esac
+}
+
+# selected_parts [--parts A,B]: the parts to run, in PARTS' order; exits 2 naming an unknown one.
+selected_parts() {
+    local wanted=("${PARTS[@]}") name known
+    if [ "${1:-}" = "--parts" ]; then
+        IFS=, read -r -a wanted <<< "${2:-}"
+    elif [ -n "${1:-}" ]; then
+        echo "gpu_check: unknown argument $1 (--parts NAME[,NAME...] or nothing)" >&2
+        return 2
+    fi
+    for name in "${wanted[@]}"; do
+        known=0
+        for part_name in "${PARTS[@]}"; do [ "$name" = "$part_name" ] && known=1; done
+        if [ "$known" = 0 ]; then
+            echo "gpu_check: unknown part '$name' (one of: ${PARTS[*]})" >&2
+            return 2
+        fi
+    done
+    echo "${wanted[@]}"
+}
+
 main() {
     cd "$ROOT" || exit 2
+    local parts
+    parts="$(selected_parts "$@")" || exit 2
     export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
     unset RANK WORLD_SIZE LOCAL_RANK TRITON_INTERPRET
     if ! "$PYTHON" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)" \
@@ -102,47 +214,21 @@ main() {
         exit 2
     fi
     mkdir -p "$OUT" || exit 2
-    local device gpus begin plan failed i
+    local device gpus begin failed i name
     device="$("$PYTHON" -c "import torch; print(torch.cuda.get_device_name())")"
     gpus="$(gpu_count)"
-    echo "gpu_check on $gpus x $device; logs in $OUT"
+    echo "gpu_check on $gpus x $device; parts: $parts; logs in $OUT"
     begin=$(date +%s)
-
-    part kernels 300 "$PYTHON" -m pytest -o addopts= -q -rfs -p no:cacheprovider \
-        tests/test_kernels_cuda.py tests/test_transformer_engine.py tests/test_grad_norm.py
-    DETAILS+=("$(grep -E '[0-9]+ (passed|failed|skipped|error)' "$OUT/kernels.log" | tail -n 1)")
-
-    part training 300 "$PYTHON" benchmarks/gpu_training_check.py \
-        --json "$OUT/gpu_training_check.json"
-    DETAILS+=("$(grep -E '^(bf16|fp16|te-bf16|te-fp8) ' "$OUT/training.log" \
-        | awk '{print $1 " " $4 " vs fp32"}' | paste -sd ';' -)")
-
-    part mfu 300 "$PYTHON" benchmarks/bench_gpu_mfu.py --json "$OUT/gpu_mfu.json"
-    DETAILS+=("$(grep -E '^(megapipe|plain)' "$OUT/mfu.log" \
-        | awk '{print $1 " MFU " $(NF-1) " " $NF}' | paste -sd ';' -)")
-
-    part bench 180 "$PYTHON" benchmarks/bench_kernels.py --impl triton,apex,te \
-        --json "$OUT/kernels.json"
-    DETAILS+=("speed-up per op: $OUT/bench.log")
-
-    plan="$(multi_gpu_plan "$gpus")"
-    if [ "$plan" = "run" ]; then
-        part multi-gpu 180 bash "$ROOT/tools/gpu_check.sh" --multi-gpu-run nccl --bf16
-        DETAILS+=("$(grep -oE 'iteration +[0-9]+/ +[0-9]+|lm loss: [0-9.E+-]+' \
-            "$OUT/multi-gpu.log" | tail -n 2 | paste -sd ' ' -)")
-    else
-        echo
-        echo "$plan" | tee "$OUT/multi-gpu.log"
-        NAMES+=("multi-gpu") RESULTS+=("skipped") SECONDS_TAKEN+=(0)
-        DETAILS+=("needs 2 GPUs (NCCL refuses two ranks on one GPU)")
-    fi
+    for name in $parts; do
+        run_part "$name" "$gpus"
+    done
 
     echo
     echo "=== gpu_check summary ($gpus x $device, $(($(date +%s) - begin)) s in all)"
-    printf '%-9s %-12s %8s  %s\n' part result seconds detail
+    printf '%-10s %-12s %8s  %s\n' part result seconds detail
     failed=0
     for i in "${!NAMES[@]}"; do
-        printf '%-9s %-12s %8s  %s\n' "${NAMES[$i]}" "${RESULTS[$i]}" "${SECONDS_TAKEN[$i]}" \
+        printf '%-10s %-12s %8s  %s\n' "${NAMES[$i]}" "${RESULTS[$i]}" "${SECONDS_TAKEN[$i]}" \
             "${DETAILS[$i]}"
         case "${RESULTS[$i]}" in ok | skipped) ;; *) failed=1 ;; esac
     done

@@ -130,13 +130,52 @@ def hybrid_layout(dp_groups: list[list[int]], instances: int) -> dict[str, list[
     return {"dp_inner": inner, "dp_outer": outer}
 
 
+def group_layout(
+    world_size: int,
+    tp: int,
+    pp: int,
+    cp: int = 1,
+    data_parallel_instances: int = 1,
+    ep: int = 1,
+) -> dict[str, list[list[int]]]:
+    """Every process group a job of these sizes creates, by kind (GROUP_KINDS, then "cp" and
+    "dp_cp" with CP > 1, "dp_inner" and "dp_outer" with hybrid sharding, "ep" and "expert_dp"
+    with EP > 1), in the order `ParallelState.build` creates them (every rank the same)."""
+    layout = rank_layout(world_size, tp, pp, cp)
+    groups = {kind: layout[kind] for kind in GROUP_KINDS}
+    replica_groups = layout["dp"]  # where parameters are sharded: DP, or DP x CP
+    if cp > 1:
+        context = context_parallel_layout(world_size, tp, pp, cp)
+        groups.update(context)
+        replica_groups = context["dp_cp"]
+    if data_parallel_instances > 1:
+        groups.update(hybrid_layout(replica_groups, data_parallel_instances))
+    if ep > 1:
+        dp_cp_groups = context_parallel_layout(world_size, tp, pp, cp)["dp_cp"]
+        groups.update(expert_parallel_layout(dp_cp_groups, ep))
+    return groups
+
+
+def communicators_of(rank: int, layout: Mapping[str, list[list[int]]]) -> list[str]:
+    """The group kinds in which `rank` has company: each is a communicator on NCCL (made when
+    the group is created, or at its first use), which reserves device memory for its buffers
+    once it connects. "world" is the default process group's own. Groups of one rank have
+    none (`ParallelState.build` makes no process group for them)."""
+    return [
+        kind
+        for kind, lists in layout.items()
+        for ranks in lists
+        if rank in ranks and len(ranks) > 1
+    ]
+
+
 @dataclass(frozen=True)
 class ParallelState:
     """This rank's place in the TP x CP x DP x PP layout and the groups it communicates over."""
 
     world_size: int
     rank: int
-    world: Group  # every rank (its own torch group: nothing reads dist.group.WORLD)
+    world: Group  # every rank: the default process group, passed here like every other group
     tp: Group
     pp: Group
     dp: Group
@@ -228,47 +267,30 @@ class ParallelState:
                 "use ParallelState.single() for one process"
             )
         world, me = dist.get_world_size(), dist.get_rank()
-        tp, pp, cp = (
+        layout = group_layout(
+            world,
             tensor_model_parallel_size,
             pipeline_model_parallel_size,
             context_parallel_size,
+            data_parallel_instances,
+            expert_model_parallel_size,
         )
-        layout = rank_layout(world, tp, pp, cp)
-        mine: dict[str, Group | None] = dict.fromkeys(GROUP_KINDS)
         timeout = default_group_timeout()
-
-        def create(lists: Mapping[str, list[list[int]]], into: dict[str, Group | None]) -> None:
-            for kind, groups in lists.items():
-                for ranks in groups:
-                    pg = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
-                    if me in ranks:
-                        into[kind] = Group(tuple(ranks), ranks.index(me), pg)
-
-        create({kind: layout[kind] for kind in GROUP_KINDS}, mine)
-        context: dict[str, Group | None] = {"cp": None, "dp_cp": None}
-        replica_groups = layout["dp"]  # where parameters are sharded: DP, or DP x CP
-        if cp > 1:
-            cp_layout = context_parallel_layout(world, tp, pp, cp)
-            create(cp_layout, context)
-            replica_groups = cp_layout["dp_cp"]
-        hybrid: dict[str, Group | None] = {"dp_inner": None, "dp_outer": None}
-        if data_parallel_instances > 1:
-            create(hybrid_layout(replica_groups, data_parallel_instances), hybrid)
-        experts: dict[str, Group | None] = {"ep": None, "expert_dp": None}
-        if expert_model_parallel_size > 1:
-            dp_cp_groups = context_parallel_layout(world, tp, pp, cp)["dp_cp"]
-            create(expert_parallel_layout(dp_cp_groups, expert_model_parallel_size), experts)
+        groups: dict[str, Group | None] = dict.fromkeys(
+            (*GROUP_KINDS, "cp", "dp_cp", "dp_inner", "dp_outer", "ep", "expert_dp")
+        )
+        for kind, lists in layout.items():
+            for ranks in lists:
+                pg = None
+                if kind == "world" and len(ranks) > 1:  # the default group: no second
+                    pg = dist.group.WORLD  # communicator over the same ranks
+                elif len(ranks) > 1:
+                    pg = dist.new_group(ranks, timeout=timeout)
+                if me in ranks:
+                    groups[kind] = Group(tuple(ranks), ranks.index(me), pg)
         if device is None:
             device = torch.device("cpu")
-        return cls(
-            world,
-            me,
-            device=torch.device(device),
-            **mine,
-            **hybrid,
-            **context,
-            **experts,
-        )
+        return cls(world, me, device=torch.device(device), **groups)  # type: ignore[arg-type]
 
     def describe(self) -> str:
         context = f" cp {self.cp_rank}/{self.cp.size}" if self.cp.size > 1 else ""

@@ -4,8 +4,9 @@ tests/test_pipeline_failures.py) and the baseline the overlap is measured agains
 (benchmarks/bench_p2p_posting.py).
 
 Then every unit's receives went in the batch before the unit ahead of it, whatever that unit
-sent (the first batch held the first two units' receives), and each direction between two
-stages had a communicator of its own (`link_channel`).
+sent (the first batch held the first two units' receives; `receives_one_unit_early`, the
+default) or in the batch just before it (`receives_just_before`), and each direction between
+two stages had a communicator of its own (`link_channel`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,22 @@ def receives_one_unit_early(kind: str, p: int, v: int, m: int, rank: int) -> lis
         batch += ordered(sends + (receives[k + 1] if k + 1 < len(units) else []))
         if batch:
             actions.append(Comm(tuple(batch)))
+        actions.extend(unit)
+        sends = [send for _, send in ends[k] if send is not None]
+    return actions + ([Comm(tuple(sends))] if sends else [])
+
+
+def receives_just_before(kind: str, p: int, v: int, m: int, rank: int) -> list[Action]:
+    """`rank`'s actions with every receive in the batch just before its unit
+    (--no-overlap-p2p-communication then; a W unit splitting batches like any other)."""
+    units = compute_units(kind, p, v, m, rank)
+    ends = [[neighbour_transfers(step, rank, p, v) for step in unit] for unit in units]
+    actions: list[Action] = []
+    sends: list[P2P] = []
+    for k, unit in enumerate(units):
+        ops = sends + [recv for recv, _ in ends[k] if recv is not None]
+        if ops:
+            actions.append(Comm(tuple(sorted(ops, key=lambda op: transfer_key(op, rank, p)))))
         actions.extend(unit)
         sends = [send for _, send in ends[k] if send is not None]
     return actions + ([Comm(tuple(sends))] if sends else [])
