@@ -281,6 +281,7 @@ def test_capacity_drops_exactly_what_the_policy_names(policy: str, pad: bool) ->
 @pytest.mark.skipif(not grouped_mm_available(), reason="this torch has no grouped_mm")
 @pytest.mark.parametrize("swiglu", [False, True])
 def test_grouped_gemm_equals_one_gemm_per_expert(swiglu: bool) -> None:
+    torch.manual_seed(0)  # not whatever earlier imports left in the global generator
     config = _config(swiglu=swiglu)
     loop = Experts(config, Group.single(), E, 12, output_init_std=0.3)
     grouped = Experts(config, Group.single(), E, 12, output_init_std=0.3, grouped_gemm=True)
@@ -299,7 +300,8 @@ def test_grouped_gemm_equals_one_gemm_per_expert(swiglu: bool) -> None:
     assert (outs[0] - outs[1]).abs().max() < 1e-6
     assert (xs[0].grad - xs[1].grad).abs().max() < 1e-6
     for a, b in zip(loop.parameters(), grouped.parameters()):
-        assert (a.grad - b.grad).abs().max() < 1e-6
+        # fp32 sums over up to 7 rows in another order: a few ulps of gradients up to ~5
+        assert (a.grad - b.grad).abs().max() < 1e-6 * max(1.0, float(a.grad.abs().max()))
 
 
 # --- training ----------------------------------------------------------------------------------

@@ -118,8 +118,10 @@ LAYOUTS = {
     "EP2 of DP4 alltoall, ZeRO-3 (FSDP2)": (4, _ep(2, "alltoall") + ["--use-torch-fsdp2"]),
     "EP4 alltoall, grouped GEMM": (4, _ep(4, "alltoall") + ["--moe-grouped-gemm"]),
     "EP2 x TP2 SP allgather": (4, _ep(2, "allgather") + TP2 + ["--sequence-parallel"]),
-    "EP2 x PP2 alltoall, distributed optimizer": (
-        4, _ep(2, "alltoall") + PP2 + ["--use-distributed-optimizer"]),
+    # under NCCL's rules emulated (one queue per rank: the all-to-alls wait behind the
+    # pipeline's queued transfers; the lazy connection handshake)
+    "EP2 x PP2 alltoall, distributed optimizer, NCCL's rules": (
+        4, _ep(2, "alltoall") + PP2 + ["--use-distributed-optimizer", "--emulate-nccl-p2p-order"]),
     "CP2 (aux loss, z-loss)": (2, ["--context-parallel-size", "2"]),
     "CP2 x DP2 with EP4 allgather": (4, _ep(4, "allgather") + ["--context-parallel-size", "2"]),
     "TP2 x PP2 x DP2 with EP2 alltoall SP, grouped GEMM": (

@@ -62,20 +62,18 @@ class StreamBatch:
         return self.done.is_set() and self.error is None
 
 
-_CLOSE = None  # queued by `close`: the worker ends after the batches before it
-
-
 class EmulatedStream:
     """NCCL's rule for one communicator, on gloo: batches run one at a time, in posting order.
 
     A daemon thread posts each batch once the one before it has completed, and waits for it
     (each transfer at most `timeout`); after a failure (a timeout) every later batch fails too,
-    as a broken NCCL communicator would. `close` ends the thread once the queue is run dry.
+    as a broken NCCL communicator would. The thread lives as long as the process, as the
+    device queue it stands for.
     """
 
     def __init__(self, timeout: timedelta) -> None:
         self.timeout = timeout
-        self._queue: queue.SimpleQueue[StreamBatch | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[StreamBatch] = queue.SimpleQueue()
         self._failed: BaseException | None = None
         threading.Thread(target=self._run, daemon=True, name="emulated-nccl-stream").start()
 
@@ -84,12 +82,9 @@ class EmulatedStream:
         self._queue.put(batch)
         return batch
 
-    def close(self) -> None:
-        """Let the worker thread end after the batches already queued."""
-        self._queue.put(_CLOSE)
-
     def _run(self) -> None:
-        while (batch := self._queue.get()) is not _CLOSE:
+        while True:
+            batch = self._queue.get()
             try:
                 if self._failed is not None:
                     raise RuntimeError(f"an earlier transfer on this stream failed: {self._failed}")

@@ -101,10 +101,6 @@ class P2PCommunicator:
         # that use this communicator, which also record their computes in it)
         self.activity = activity or Activity()
 
-    @property
-    def emulate_nccl_order(self) -> bool:
-        return self.emulation is not None
-
     def _peer(self, op: P2P) -> int:
         return self.group.ranks[op.peer]
 
