@@ -49,7 +49,9 @@ def install_stack_dump() -> None:
     """Print every thread's stack on STACK_DUMP_SIGNAL, and go on: a hung rank tells where it
     waits without a debugger (tools/gpu_check.sh signals every rank of a run that has not
     finished in time). --exit-signal SIGUSR2 takes the signal over."""
-    faulthandler.register(STACK_DUMP_SIGNAL, all_threads=True)
+    stderr = sys.__stderr__  # the process's own (sys.stderr may be a stream without a file)
+    if stderr is not None:
+        faulthandler.register(STACK_DUMP_SIGNAL, file=stderr, all_threads=True)
 
 
 def _run(argv: list[str]) -> int:

@@ -182,6 +182,12 @@ ELSEWHERE_FLAGS = [
         "drop the flag (NCCL orders its transfers itself), or use --distributed-backend gloo",
         "tests/test_arguments.py::test_nccl_order_emulation_is_for_gloo_only",
         key="--emulate-nccl-p2p-order"),
+    Bad("an --emulate-nccl-p2p-order rule that does not exist", "argument "
+        "--emulate-nccl-p2p-order: invalid choice: 'two-streams' (choose from 'streams', "
+        "'handshake', 'one-queue')",
+        "name handshake, one-queue or streams, or none for both rules",
+        "tests/test_context_parallel_nccl_order.py::"
+        "test_an_unknown_emulation_rule_is_refused_by_name", key="invalid choice: 'two-streams'"),
     Bad("--openai-gelu with --swiglu", "--openai-gelu with --swiglu: the SwiGLU MLP has no "
         "GeLU (it uses SiLU)",
         "drop one: SwiGLU has no GeLU", "tests/test_arguments.py::"
