@@ -319,17 +319,14 @@ def pipeline_parity(
         seed=PARITY_SEED,
         sequence_parallel=sequence_parallel,
     )
-    comm = P2PCommunicator(state, emulate_nccl_order=emulate)
     executor = PipelineExecutor(
         chunks,
-        state,  # posted as pretrain_gpt posts it: every receive early on plain gloo
-        build_schedule(
-            kind, pp, v, m, state.pp_rank, post_ahead=post_ahead, nccl_safe=comm.follows_nccl_rules
-        ),  # fmt: skip
+        state,
+        build_schedule(kind, pp, v, m, state.pp_rank, post_ahead=post_ahead),
         num_microbatches=m,
         activation_shape=activation_shape(config, PARITY_MICRO_BATCH, tp, sequence_parallel),
         batch_on_every_stage=every_stage,
-        comm=comm,
+        comm=P2PCommunicator(state, emulate_nccl_order=emulate),
     )
     reference = GPTModel(config, ParallelState.single(), RNGTracker(PARITY_SEED), seed=PARITY_SEED)
     params = [p for c in chunks for p in c.parameters()]
