@@ -9,9 +9,9 @@ Variants, all in one run:
 - megapipe-1f1b / -interleaved / -zero-bubble / -interleaved-zb: megapipe's PipelineExecutor
   (1f1b, interleaved-1f1b with v=2, zero-bubble-h1, interleaved-zero-bubble with v=2), each also
   `-ahead`: with receives moved one unit early over units that send nothing
-  (`build_schedule(..., post_ahead=True)`, pretrain_gpt's default on NCCL), and `-eager`: with
-  every receive one unit early whatever the unit sends (`nccl_safe=False`, pretrain_gpt's
-  default on gloo, which forgives it; NCCL may not);
+  (`build_schedule(..., post_ahead=True)`, pretrain_gpt's default), and `-before`: with every
+  receive one unit early whatever the unit sends (megapipe's default before it relied only on
+  what NCCL promises, `megapipe.testing.posting_before`; gloo forgives it, NCCL may not);
 - torch-1f1b / -interleaved / -zero-bubble / -interleaved-zb: torch.distributed.pipelining's
   PipelineStage with Schedule1F1B / ScheduleInterleaved1F1B / ScheduleInterleavedZeroBubble (one
   stage per rank: its ZB1P, i.e. ZB-H1) / ScheduleInterleavedZeroBubble (two), on the same
@@ -67,6 +67,7 @@ from megapipe.pipeline.timeline import (
 )
 from megapipe.pipeline.trace import TraceRecorder, chrome_trace
 from megapipe.testing import run_distributed
+from megapipe.testing.posting_before import receives_one_unit_early
 
 PP = 2
 SEED = 1234
@@ -76,7 +77,7 @@ KINDS = {  # variant suffix -> (megapipe schedule, chunks per rank)
     "zero-bubble": ("zero-bubble-h1", 1),
     "interleaved-zb": ("interleaved-zero-bubble", 2),
 }
-MODES = ("", "-ahead", "-eager")  # megapipe variant suffix: the receives' posting
+MODES = ("", "-ahead", "-before")  # megapipe variant suffix: the receives' posting
 VARIANTS = (
     "single",
     "single-x2",
@@ -92,13 +93,15 @@ Step = Callable[..., float | None]  # one training step; the mean loss where thi
 def variant_kind(name: str) -> tuple[str, str]:
     """`megapipe-interleaved-zb-ahead` -> ("interleaved-zb", "-ahead"): KINDS key, MODES key."""
     rest = name.split("-", 1)[1]
-    kind = rest.removesuffix("-ahead").removesuffix("-eager")
+    kind = rest.removesuffix("-ahead").removesuffix("-before")
     return kind, rest[len(kind) :]
 
 
 def schedule_of(kind: str, v: int, m: int, rank: int, mode: str) -> list:
     """Rank `rank`'s actions for a MODES suffix."""
-    return build_schedule(kind, PP, v, m, rank, post_ahead=mode != "", nccl_safe=mode != "-eager")
+    if mode == "-before":
+        return receives_one_unit_early(kind, PP, v, m, rank)
+    return build_schedule(kind, PP, v, m, rank, post_ahead=mode == "-ahead")
 
 
 def model_config(args: argparse.Namespace) -> ModelConfig:

@@ -100,10 +100,8 @@ def test_trace_boxes_hold_every_action_of_every_traced_step(trace_path: Path) ->
         boxes = boxes_from_trace(document, step)
         assert all(b.duration > 0 for b in boxes)
         for rank in (0, 1):
-            # receives posted ahead (--overlap-p2p-communication), every one on gloo: the
-            # default of pretrain_gpt, whose run this trace is
-            actions = build_schedule("interleaved-1f1b", 2, 2, M, rank, post_ahead=True,
-                                     nccl_safe=False)  # fmt: skip
+            # receives posted ahead: pretrain_gpt's default (--overlap-p2p-communication)
+            actions = build_schedule("interleaved-1f1b", 2, 2, M, rank, post_ahead=True)
             row = [b for b in boxes if b.rank == rank]
             computes = [(b.kind, b.microbatch, b.chunk) for b in row if b.kind != "comm"]
             expected = [(a.phase, a.microbatch, a.chunk) for a in actions if isinstance(a, Compute)]

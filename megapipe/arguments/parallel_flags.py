@@ -110,9 +110,9 @@ def add_distributed_args(group: argparse._ArgumentGroup) -> None:
         dest="overlap_p2p_communication",
         action="store_true",
         default=True,
-        help="Post pipeline receives one compute unit early, so that the transfer overlaps "
-        "that unit's compute (the default). On NCCL only over units that send nothing, safe "
-        "under what NCCL and CUDA promise; on gloo, which forgives any order, every receive "
+        help="Post a pipeline receive one compute unit early where the unit it moves over "
+        "sends nothing, so that the transfer overlaps that unit's compute (the default). Safe "
+        "under what NCCL and CUDA promise: no send of the rank moves behind the receive "
         "(docs/pipeline-schedules.md).",
     )
     group.add_argument(

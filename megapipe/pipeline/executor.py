@@ -153,15 +153,7 @@ class PipelineExecutor:
         return PipelineExecutor(
             self.chunks,
             self.state,
-            build_schedule(
-                kind,
-                p,
-                v,
-                num_microbatches,
-                rank,
-                post_ahead=self.post_ahead,
-                nccl_safe=self.comm.follows_nccl_rules,
-            ),  # fmt: skip
+            build_schedule(kind, p, v, num_microbatches, rank, post_ahead=self.post_ahead),
             num_microbatches=num_microbatches,
             activation_shape=self.activation_shape,
             dtype=self.dtype,

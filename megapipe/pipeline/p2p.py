@@ -101,12 +101,6 @@ class P2PCommunicator:
         # that use this communicator, which also record their computes in it)
         self.activity = activity or Activity()
 
-    @property
-    def follows_nccl_rules(self) -> bool:
-        """Whether posting must hold under NCCL's rules: on NCCL, and on gloo emulating it
-        (`schedules.build_schedule(..., nccl_safe=...)`); plain gloo forgives any order."""
-        return not self._host_waits or self.emulation is not None
-
     def _peer(self, op: P2P) -> int:
         return self.group.ranks[op.peer]
 

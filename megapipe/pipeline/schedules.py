@@ -256,14 +256,7 @@ def neighbour_transfers(step: Compute, rank: int, p: int, v: int) -> tuple[P2P |
 
 
 def build_schedule(
-    kind: str,
-    p: int,
-    v: int,
-    m: int,
-    rank: int,
-    *,
-    post_ahead: bool = False,
-    nccl_safe: bool = True,
+    kind: str, p: int, v: int, m: int, rank: int, *, post_ahead: bool = False
 ) -> list[Action]:
     """Every action `rank` performs in one step, communication included.
 
@@ -282,13 +275,8 @@ def build_schedule(
 
     post_ahead (--overlap-p2p-communication, the default): receives move over every unit that
     sends nothing, so that data can arrive while it computes (the executor still waits for a
-    receive only just before the compute that needs it); otherwise only over W units.
-    nccl_safe=False (gloo, whose transfers complete independently of their posting order): with
-    post_ahead every unit's receives move one unit early, whatever the unit sends (the first
-    batch holds the first two units' receives). Faster on gloo, whose sends wait until their
-    receive is posted (bench_pipeline.py: 4-8% for 1F1B, interleaved and ZB-H1), and a hang
-    under NCCL's rules (tests/test_nccl_ordering.py). Per peer, receives keep their order, so
-    FIFO matching is unchanged.
+    receive only just before the compute that needs it); otherwise only over W units. Per
+    peer, receives keep their order, so FIFO matching is unchanged.
     """
     if not 0 <= rank < p:
         raise ConfigError(f"rank {rank} is outside a pipeline of {p} ranks")
@@ -298,9 +286,7 @@ def build_schedule(
     sends = [[send for _, send in unit_ends if send is not None] for unit_ends in ends]
 
     def moves_over(unit: Unit, unit_sends: list[P2P]) -> bool:
-        if post_ahead:
-            return not (nccl_safe and unit_sends)
-        return all(step.phase == "W" for step in unit)
+        return not unit_sends if post_ahead else all(step.phase == "W" for step in unit)
 
     early = [k > 0 and moves_over(units[k - 1], sends[k - 1]) for k in range(len(units))]
 

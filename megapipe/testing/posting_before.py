@@ -15,7 +15,6 @@ from megapipe.pipeline.schedules import (
     P2P,
     Action,
     Comm,
-    build_schedule,
     compute_units,
     neighbour_transfers,
     transfer_key,
@@ -28,9 +27,24 @@ def link_channel(rank: int, op: P2P) -> tuple[str, int, int]:
 
 
 def receives_one_unit_early(kind: str, p: int, v: int, m: int, rank: int) -> list[Action]:
-    """`rank`'s actions with every receive posted one unit early (the default then, gloo's
-    default still: `build_schedule(..., nccl_safe=False)`)."""
-    return build_schedule(kind, p, v, m, rank, post_ahead=True, nccl_safe=False)
+    """`rank`'s actions with every receive posted one unit early (the default then)."""
+    units = compute_units(kind, p, v, m, rank)
+    ends = [[neighbour_transfers(step, rank, p, v) for step in unit] for unit in units]
+    receives = [[recv for recv, _ in unit_ends if recv is not None] for unit_ends in ends]
+
+    def ordered(ops: list[P2P]) -> list[P2P]:
+        return sorted(ops, key=lambda op: transfer_key(op, rank, p))
+
+    actions: list[Action] = []
+    sends: list[P2P] = []
+    for k, unit in enumerate(units):
+        batch = ordered(receives[0]) if k == 0 else []
+        batch += ordered(sends + (receives[k + 1] if k + 1 < len(units) else []))
+        if batch:
+            actions.append(Comm(tuple(batch)))
+        actions.extend(unit)
+        sends = [send for _, send in ends[k] if send is not None]
+    return actions + ([Comm(tuple(sends))] if sends else [])
 
 
 def receives_just_before(kind: str, p: int, v: int, m: int, rank: int) -> list[Action]:

@@ -312,12 +312,6 @@ def build_executor(
     """The pipeline executor running this rank's schedule (plain accumulation when PP=1)."""
     parallel, training = configs.parallel, configs.training
     num_microbatches = training.num_microbatches(state.dp.size)
-    comm = P2PCommunicator(
-        state,
-        parallel.pipeline_p2p_timeout,
-        activity,
-        emulate_nccl_order=parallel.emulate_nccl_p2p_order,
-    )
     actions = build_schedule(
         parallel.schedule,
         parallel.pipeline_model_parallel_size,
@@ -325,7 +319,6 @@ def build_executor(
         num_microbatches,
         state.pp_rank,
         post_ahead=parallel.pipeline_receives_ahead,
-        nccl_safe=comm.follows_nccl_rules,  # plain gloo: every receive early, which it forgives
     )
     shape = activation_shape(
         configs.model, training.micro_batch_size, state.tp.size, parallel.sequence_parallel
@@ -337,7 +330,12 @@ def build_executor(
         num_microbatches=num_microbatches,
         activation_shape=shape,
         dtype=configs.optimizer.params_dtype,
-        comm=comm,
+        comm=P2PCommunicator(
+            state,
+            parallel.pipeline_p2p_timeout,
+            activity,
+            emulate_nccl_order=parallel.emulate_nccl_p2p_order,
+        ),
         batch_on_every_stage=configs.data.reset_attention_mask,
         post_ahead=parallel.pipeline_receives_ahead,  # and the evaluation's forward-only steps
     )
