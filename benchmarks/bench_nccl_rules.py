@@ -27,13 +27,12 @@ import os
 from megapipe.atomic_files import write_json
 from megapipe.pipeline.schedules import (
     FORWARD_ONLY,
-    INTERLEAVED_KINDS,
     SCHEDULE_KINDS,
     ZERO_BUBBLE_KINDS,
     build_schedule,
     connect_schedule,
 )
-from megapipe.pipeline.simulator import ScheduleError, simulate
+from megapipe.pipeline.simulator import ScheduleError, proof_grid, simulate
 from megapipe.testing.posting_before import (
     link_channel,
     receives_just_before,
@@ -48,18 +47,6 @@ RULES = {
     "both": {"handshake": True, "queue": "rank"},
 }
 DEFAULT_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "nccl_rules.json")
-
-
-def grid() -> list[tuple[str, int, int, int]]:
-    cases = []
-    for kind in KINDS:
-        vs = [2, 3, 4] if kind in INTERLEAVED_KINDS else [1, 2] if kind == FORWARD_ONLY else [1]
-        for p in (2, 3, 4, 8):
-            for v in vs:
-                for m in (1, 2, 3, 4, 5, 8, 12, 16):
-                    if kind not in INTERLEAVED_KINDS or m % p == 0:
-                        cases.append((kind, p, v, m))
-    return cases
 
 
 def _lists(design: str, kind: str, p: int, v: int, m: int, ahead: bool):
@@ -93,7 +80,7 @@ def simulated(design, kind, p, v, m, ahead, ordering="nccl", comm_cost=0.0, **ru
 
 
 def hang_grid() -> dict:
-    cases = grid()
+    cases = proof_grid()
     table: dict = {}
     for design in ("one group before", "before", "now"):
         for ahead in (True, False):

@@ -28,7 +28,7 @@ from megapipe.pipeline.schedules import (
     build_schedule,
     connect_schedule,
 )
-from megapipe.pipeline.simulator import ScheduleError, simulate
+from megapipe.pipeline.simulator import ScheduleError, proof_grid, simulate
 from megapipe.testing.posting_before import link_channel as _link
 from megapipe.testing.posting_before import receives_one_unit_early as _one_unit_early
 
@@ -37,19 +37,7 @@ BOTH_RULES = {"handshake": True, "queue": "rank"}
 EACH_RULE = {"handshake": {"handshake": True}, "one-queue": {"queue": "rank"}}
 
 
-def _grid() -> list[tuple[str, int, int, int]]:
-    cases = []
-    for kind in KINDS:
-        vs = [2, 3, 4] if kind in INTERLEAVED_KINDS else [1, 2] if kind == FORWARD_ONLY else [1]
-        for p in (2, 3, 4, 8):
-            for v in vs:
-                for m in (1, 2, 3, 4, 5, 8, 12, 16):
-                    if kind not in INTERLEAVED_KINDS or m % p == 0:
-                        cases.append((kind, p, v, m))
-    return cases
-
-
-GRID = _grid()
+GRID = proof_grid()
 
 
 def _simulate(lists, kind, v, m, **rules):

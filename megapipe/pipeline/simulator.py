@@ -45,7 +45,9 @@ from typing import Literal
 from megapipe.errors import MegapipeError
 from megapipe.pipeline.schedules import (
     FORWARD_ONLY,
+    INTERLEAVED_KINDS,
     P2P,
+    SCHEDULE_KINDS,
     ZERO_BUBBLE_KINDS,
     Action,
     Comm,
@@ -414,6 +416,23 @@ def _group_calls(
     for op in batch.ops:
         calls.setdefault(channel(rank, op), []).append(op)
     return list(calls.items())
+
+
+def proof_grid() -> list[tuple[str, int, int, int]]:
+    """The (kind, p, v, m) cases the schedules are proven on (tests/test_nccl_ordering.py,
+    benchmarks/bench_nccl_rules.py): every training schedule and the forward-only one, p = 2,
+    3, 4, 8, v = 2..4 interleaved (1 and 2 forward-only, else 1), m = 1..16 (multiples of p
+    interleaved): 238 cases."""
+    kinds = [k for k in SCHEDULE_KINDS if k != "no-pipelining"] + [FORWARD_ONLY]
+    cases = []
+    for kind in kinds:
+        vs = [2, 3, 4] if kind in INTERLEAVED_KINDS else [1, 2] if kind == FORWARD_ONLY else [1]
+        for p in (2, 3, 4, 8):
+            for v in vs:
+                for m in (1, 2, 3, 4, 5, 8, 12, 16):
+                    if kind not in INTERLEAVED_KINDS or m % p == 0:
+                        cases.append((kind, p, v, m))
+    return cases
 
 
 def simulate_kind(
