@@ -9,9 +9,7 @@ prints the traceback above that line.
 
 from __future__ import annotations
 
-import faulthandler
 import os
-import signal
 import sys
 import warnings
 from collections.abc import Sequence
@@ -23,6 +21,7 @@ from megapipe.console import say
 from megapipe.errors import ConfigError, run_cli
 from megapipe.parallel import ParallelState, initialize_distributed
 from megapipe.parallel.initialize import MAX_CONNECTIONS_VAR, max_connections_warning
+from megapipe.stack_dump import install_stack_dump
 from megapipe.training import train
 
 
@@ -42,20 +41,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_cli(PROG, _run, argv)
 
 
-STACK_DUMP_SIGNAL = signal.SIGUSR2  # `kill -USR2 PID`: every thread's stack on stderr
-
-
-def install_stack_dump() -> None:
-    """Print every thread's stack on STACK_DUMP_SIGNAL, and go on: a hung rank tells where it
-    waits without a debugger (tools/gpu_check.sh signals every rank of a run that has not
-    finished in time). --exit-signal SIGUSR2 takes the signal over."""
-    stderr = sys.__stderr__  # the process's own (sys.stderr may be a stream without a file)
-    if stderr is not None:
-        faulthandler.register(STACK_DUMP_SIGNAL, file=stderr, all_threads=True)
-
-
 def _run(argv: list[str]) -> int:
-    install_stack_dump()
+    install_stack_dump()  # `kill -USR2 PID`: every thread's stack, and the run goes on
     world_size = _world_size()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # reported below, once, from rank 0

@@ -88,8 +88,11 @@ def test_the_cuda_part_selects_every_test_that_needs_cuda() -> None:
             for pattern in ("skipif(not torch.cuda.is_available()", "and torch.cuda.is_available()")
         )
     )
+    # those files (and test_arguments.py, whose CUDA skip is the other way round) collected
+    # as the part collects the whole suite, through the same conftest
+    files = [f"tests/{name}" for name in [*needing, "test_arguments.py"]]
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "cuda", "tests"],
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "cuda", *files],
         capture_output=True, text=True, timeout=300, cwd=ROOT, env=_env(),
     )  # fmt: skip
     selected = {  # `-q --collect-only` prints "tests/test_x.py: COUNT" per file
@@ -119,21 +122,22 @@ def test_each_part_can_run_alone_and_an_unknown_one_is_named(tmp_path) -> None:
 
 @pytest.mark.slow
 def test_a_run_not_finished_in_time_prints_every_ranks_stacks_and_goes_on(tmp_path) -> None:
-    # two stand-in ranks (named pretrain_gpt.py, as the part's ranks are) that install
-    # pretrain_gpt's stack dump and then wait, under one parent, as torchrun's ranks are
+    # two stand-in ranks (named pretrain_gpt.py, as the part's ranks are) that install the
+    # stack dump pretrain_gpt.py installs and then wait, under one parent, as torchrun's are
+    assert "install_stack_dump()" in (ROOT / "pretrain_gpt.py").read_text()
     rank = tmp_path / "pretrain_gpt.py"
     rank.write_text(
         f"import sys, time\nsys.path.insert(0, {str(ROOT)!r})\n"
-        "from pretrain_gpt import install_stack_dump\n"
-        "install_stack_dump()\nprint('ready', flush=True)\ntime.sleep(12)\n"
+        "from megapipe.stack_dump import install_stack_dump\n"
+        "install_stack_dump()\nprint('ready', flush=True)\ntime.sleep(5)\n"
     )
     script = ROOT / "tools" / "gpu_check.sh"
-    command = f"with_stack_dumps 8 bash -c 'python {rank} & python {rank} & wait'; echo status $?"
+    command = f"with_stack_dumps 3 bash -c 'python {rank} & python {rank} & wait'; echo status $?"
     done = subprocess.run(
         ["/bin/bash", "-c", f"source {script} && {command}"], capture_output=True, text=True,
         timeout=120, cwd=tmp_path, env=_env(),
     )  # fmt: skip
-    assert "gpu_check: not finished after 8 s" in done.stdout, done.stdout + done.stderr
+    assert "gpu_check: not finished after 3 s" in done.stdout, done.stdout + done.stderr
     assert done.stdout.count("ready") == 2 and "status 0" in done.stdout  # both went on
     assert done.stderr.count("most recent call first") >= 2, done.stderr  # each rank's stack
     assert done.stderr.count(str(rank)) >= 2  # each stack names the stand-in rank's file
