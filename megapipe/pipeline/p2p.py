@@ -110,9 +110,9 @@ class P2PCommunicator:
         posted.waited = True
         op = posted.op
         what = "receive from" if op.op == "recv" else "send to"
-        item = f"{op.phase}{op.microbatch}.{op.chunk}" if op.microbatch >= 0 else "the start-up"
-        if op.microbatch < 0:
-            item += " connection token"
+        item = f"{op.phase}{op.microbatch}.{op.chunk}"
+        if op.microbatch < 0:  # `connect`'s
+            item = "the start-up connection token"
         self.activity.enter(
             op.op, "{} pipeline rank {} (global rank {}) of {}", what, op.peer, self._peer(op), item
         )
