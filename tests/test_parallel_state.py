@@ -119,10 +119,11 @@ def _process_groups(rank, world, tp, pp, cp):
     state = ParallelState.build(tp, pp, context_parallel_size=cp)
     kinds = communicators_of(rank, group_layout(world, tp, pp, cp))
     distinct = {id(getattr(state, kind).pg) for kind in kinds}
-    return kinds, len(distinct), state.world.pg is dist.group.WORLD
+    return kinds, state.communicators(), len(distinct), state.world.pg is dist.group.WORLD
 
 
 @pytest.mark.parametrize("tp,pp,cp", [(2, 2, 1), (1, 2, 2)])
 def test_build_makes_one_process_group_per_communicator_and_world_is_the_default(tp, pp, cp):
-    for kinds, distinct, world_is_default in run_distributed(_process_groups, 4, tp, pp, cp):
-        assert distinct == len(kinds) and world_is_default
+    results = run_distributed(_process_groups, 4, tp, pp, cp)
+    for from_sizes, built, distinct, world_is_default in results:
+        assert built == from_sizes and distinct == len(from_sizes) and world_is_default

@@ -292,6 +292,19 @@ class ParallelState:
             device = torch.device("cpu")
         return cls(world, me, device=torch.device(device), **groups)  # type: ignore[arg-type]
 
+    def communicators(self) -> list[str]:
+        """The kinds of this rank's groups that have a process group, each once (`dp_cp` is
+        `dp` with CP 1): on NCCL each is a communicator holding device buffers once connected
+        (`communicators_of` says the same from the sizes alone)."""
+        seen: set[int] = set()
+        kinds = []
+        for kind in (*GROUP_KINDS, "cp", "dp_cp", "dp_inner", "dp_outer", "ep", "expert_dp"):
+            group = getattr(self, kind)
+            if group is not None and group.pg is not None and id(group.pg) not in seen:
+                seen.add(id(group.pg))
+                kinds.append(kind)
+        return kinds
+
     def describe(self) -> str:
         context = f" cp {self.cp_rank}/{self.cp.size}" if self.cp.size > 1 else ""
         experts = f" ep {self.ep.rank}/{self.ep.size}" if self.ep.size > 1 else ""

@@ -135,6 +135,13 @@ def _check_and_announce_layout(configs: Configs, state: ParallelState) -> None:
     sharding = describe_sharding(configs.optimizer, state)
     if sharding is not None:
         print_rank_0(state, sharding)
+    if state.device.type == "cuda":  # not in the memory estimate (docs/gpu.md)
+        kinds = state.communicators()
+        print_rank_0(
+            state,
+            f"NCCL communicators on rank 0: {len(kinds)} ({', '.join(kinds)}); their buffers "
+            "are not in the memory estimate",
+        )
     check_attention_backend(
         configs.kernels.attention_backend,
         state.device,
