@@ -27,19 +27,18 @@ import os
 from megapipe.atomic_files import write_json
 from megapipe.pipeline.schedules import (
     FORWARD_ONLY,
-    SCHEDULE_KINDS,
     ZERO_BUBBLE_KINDS,
     build_schedule,
     connect_schedule,
 )
-from megapipe.pipeline.simulator import ScheduleError, proof_grid, simulate
+from megapipe.pipeline.simulator import PROVEN_KINDS, ScheduleError, proof_grid, simulate
 from megapipe.testing.posting_before import (
     link_channel,
     receives_just_before,
     receives_one_unit_early,
 )
 
-KINDS = [k for k in SCHEDULE_KINDS if k != "no-pipelining"] + [FORWARD_ONLY]
+KINDS = PROVEN_KINDS
 RULES = {
     "streams": {},
     "handshake": {"handshake": True},

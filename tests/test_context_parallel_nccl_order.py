@@ -10,6 +10,7 @@ ContextParallelCommError naming the pass, the step and the CP peer with its glob
 
 from __future__ import annotations
 
+import importlib
 import time
 import warnings
 
@@ -31,6 +32,9 @@ from tests.helpers import argv
 
 B, HEADS, GROUPS, D, SEQ = 2, 4, 2, 8, 32
 TOLERANCE = 1e-5  # fp32, against whole-sequence SDPA
+# the one-queue emulation's dispatch mode needs torch._dynamo (~3 s to import): once, before
+# forking, so that the failure tests time the ring and not the import
+importlib.import_module("torch._dynamo")
 TIMEOUT_S = 1.5  # a ring transfer's limit in the failure tests
 
 

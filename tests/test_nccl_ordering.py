@@ -22,17 +22,16 @@ from megapipe.pipeline.schedules import (
     FORWARD_ONLY,
     INTERLEAVED_KINDS,
     P2P,
-    SCHEDULE_KINDS,
     Comm,
     Compute,
     build_schedule,
     connect_schedule,
 )
-from megapipe.pipeline.simulator import ScheduleError, proof_grid, simulate
+from megapipe.pipeline.simulator import PROVEN_KINDS, ScheduleError, proof_grid, simulate
 from megapipe.testing.posting_before import link_channel as _link
 from megapipe.testing.posting_before import receives_one_unit_early as _one_unit_early
 
-KINDS = [k for k in SCHEDULE_KINDS if k != "no-pipelining"] + [FORWARD_ONLY]
+KINDS = PROVEN_KINDS
 BOTH_RULES = {"handshake": True, "queue": "rank"}
 EACH_RULE = {"handshake": {"handshake": True}, "one-queue": {"queue": "rank"}}
 

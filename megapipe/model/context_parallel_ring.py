@@ -111,6 +111,8 @@ class _Ring:
             if cp.emulate_nccl_order
             else None
         )
+        # the emulation's name of the CP group's communicator (every member's the same)
+        self.communicator = f"cp:{cp.pg.group_name}" if self.emulation is not None else ""
 
     def post(self, tensors: list[torch.Tensor], step: int, what: str, tag: int) -> _Transfer:
         """Send `tensors` (`what`, e.g. "K/V") to the next rank, receive as many from the
@@ -121,10 +123,10 @@ class _Ring:
         """Post `ops`; (operation, what to wait for) pairs, one per handle the transport gave
         (a batch's handle is paired with its first receive, which its error then names)."""
         receive = next(op for op in ops if op.op is dist.irecv)
-        emulation, name = self.emulation, f"cp:{self.cp.pg.group_name}"
+        emulation = self.emulation
         if not self.grouped:
             if emulation is not None:  # torch's NCCL: a communicator per pair for lone p2p
-                me = self.cp.global_ranks[self.cp.rank]
+                me, name = self.cp.global_ranks[self.cp.rank], self.communicator
                 return [
                     (op, emulation.submit(f"{name}:{min(me, op.peer)}-{max(me, op.peer)}",
                                           [op.peer], [op]))
@@ -132,7 +134,7 @@ class _Ring:
                 ]  # fmt: skip
             return [(op, op.op(op.tensor, op.peer, op.group, op.tag)) for op in ops]
         if emulation is not None:
-            return [(receive, emulation.submit(name, {op.peer for op in ops}, ops))]
+            return [(receive, emulation.submit(self.communicator, {op.peer for op in ops}, ops))]
         works = dist.batch_isend_irecv(ops)
         if len(works) == len(ops):
             return list(zip(ops, works))

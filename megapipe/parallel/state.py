@@ -19,6 +19,8 @@ from megapipe.errors import ConfigError
 from megapipe.parallel.initialize import default_group_timeout
 
 GROUP_KINDS = ("world", "tp", "pp", "dp", "model_parallel", "embedding")
+# every ParallelState group field: GROUP_KINDS, then context, hybrid and expert parallelism's
+ALL_GROUP_KINDS = (*GROUP_KINDS, "cp", "dp_cp", "dp_inner", "dp_outer", "ep", "expert_dp")
 
 
 @dataclass(frozen=True)
@@ -276,9 +278,7 @@ class ParallelState:
             expert_model_parallel_size,
         )
         timeout = default_group_timeout()
-        groups: dict[str, Group | None] = dict.fromkeys(
-            (*GROUP_KINDS, "cp", "dp_cp", "dp_inner", "dp_outer", "ep", "expert_dp")
-        )
+        groups: dict[str, Group | None] = dict.fromkeys(ALL_GROUP_KINDS)
         for kind, lists in layout.items():
             for ranks in lists:
                 pg = None
@@ -298,7 +298,7 @@ class ParallelState:
         (`communicators_of` says the same from the sizes alone)."""
         seen: set[int] = set()
         kinds = []
-        for kind in (*GROUP_KINDS, "cp", "dp_cp", "dp_inner", "dp_outer", "ep", "expert_dp"):
+        for kind in ALL_GROUP_KINDS:
             group = getattr(self, kind)
             if group is not None and group.pg is not None and id(group.pg) not in seen:
                 seen.add(id(group.pg))

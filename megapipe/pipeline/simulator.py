@@ -418,14 +418,17 @@ def _group_calls(
     return list(calls.items())
 
 
+# every training schedule with pipelining, and evaluation's
+PROVEN_KINDS = tuple(k for k in SCHEDULE_KINDS if k != "no-pipelining") + (FORWARD_ONLY,)
+
+
 def proof_grid() -> list[tuple[str, int, int, int]]:
     """The (kind, p, v, m) cases the schedules are proven on (tests/test_nccl_ordering.py,
     benchmarks/bench_nccl_rules.py): every training schedule and the forward-only one, p = 2,
     3, 4, 8, v = 2..4 interleaved (1 and 2 forward-only, else 1), m = 1..16 (multiples of p
     interleaved): 238 cases."""
-    kinds = [k for k in SCHEDULE_KINDS if k != "no-pipelining"] + [FORWARD_ONLY]
     cases = []
-    for kind in kinds:
+    for kind in PROVEN_KINDS:
         vs = [2, 3, 4] if kind in INTERLEAVED_KINDS else [1, 2] if kind == FORWARD_ONLY else [1]
         for p in (2, 3, 4, 8):
             for v in vs:
